@@ -1,0 +1,1 @@
+"""Headless command-line entry points (``fedsm ...``), built on :mod:`engine.api`."""

@@ -1,0 +1,136 @@
+"""``fedsm`` command line: synth, simulate, infer.
+
+Every expected failure is an :class:`engine.errors.FedSMError` and ends as one line on stderr
+and exit status 2; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from engine import api
+from engine.errors import CancelledError, FedSMError
+
+log = logging.getLogger("engine.cli")
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    return tuple(m.strip().lower() for m in text.split(",") if m.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedsm", description="Federated super-model segmentation (FedSM).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synth", help="write synthetic multi-site data (images, masks, datalists)")
+    p.add_argument("--task", choices=["fundus", "prostate"], required=True)
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--image-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("simulate", help="run methods in-process on synthetic sites and write a report")
+    p.add_argument("--task", choices=["fundus", "prostate"], required=True)
+    p.add_argument("--sites", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
+                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra")
+    p.add_argument("--image-size", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lam", type=float, default=None, help="SoftPull lambda (default 0.7 fundus, 0.3 prostate)")
+    p.add_argument("--gamma", type=float, default=0.6, help="routing threshold (strict >)")
+    p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--selector-lr", type=float, default=1e-4)
+    p.add_argument("--selector-size", type=int, default=32)
+    p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
+    p.add_argument("--prox-mu", type=float, default=0.01)
+    p.add_argument("--extra-rounds", type=int, default=None, help="FedSM-extra selector rounds (default = rounds)")
+    p.add_argument("--data", type=Path, default=None, help="data folder (default OUT/data; created if needed)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--out", type=Path, required=True)
+
+    p = sub.add_parser("infer", help="segment images or volumes with a super-model bundle")
+    p.add_argument("--model", type=Path, required=True, help="super-model .safetensors bundle")
+    p.add_argument("--input", type=Path, required=True, help="image, NIfTI volume, or a folder of them")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--gamma", type=float, default=None, help="routing threshold (default: the bundle's)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    return parser
+
+
+def _setup_logging(verbose: bool, log_file: Path | None = None) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    root.addHandler(console)
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(log_file, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "synth":
+        _setup_logging(args.verbose)
+        paths = api.synthesize(args.task, args.sites, args.out, image_size=args.image_size, seed=args.seed)
+        for p in paths:
+            print(p)
+        return 0
+    if args.command == "simulate":
+        from engine.cli.progress import TerminalProgress
+
+        _setup_logging(args.verbose, args.out / "simulate.log")
+        progress = TerminalProgress(args.out / "events.jsonl")
+        try:
+            report = api.simulate(
+                out_dir=args.out, progress=progress, task=args.task, sites=args.sites, rounds=args.rounds,
+                methods=args.methods, image_size=args.image_size, seed=args.seed, lam=args.lam,
+                gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                selector_lr=args.selector_lr, selector_size=args.selector_size,
+                selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
+                device=args.device, data_dir=str(args.data) if args.data else None)
+        finally:
+            progress.close()
+        print((args.out / "report.md").read_text(encoding="utf-8"))
+        print(f"wrote {args.out / 'report.json'}, {args.out / 'report.md'}"
+              + (f", {args.out / 'supermodel.safetensors'}" if "fedsm" in report["supermodel"] else ""))
+        return 0
+    if args.command == "infer":
+        _setup_logging(args.verbose)
+        summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device)
+        for item in summary.get("inputs", []):
+            models = [s["model"] for s in item.get("slices", item.get("images", []))]
+            print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "
+                  f"routed to {', '.join(sorted(set(models)))})")
+        print(f"routing written to {args.out / 'routing.json'}")
+        return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fedsm`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except CancelledError as exc:
+        print(f"cancelled: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted; files written so far are complete (writes are atomic)", file=sys.stderr)
+        return 130
+    except FedSMError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Site datasets, preprocessing and the synthetic multi-site generator."""

@@ -1,0 +1,401 @@
+"""Local training at one site for one round.
+
+:func:`train_fedsm_round` is the FedSM paper's Algorithm 1, lines 6-11: every batch updates
+the site's copy of the global model, its personalized model, and the model selector (label =
+site index). The other functions train a single segmentation network (FedAvg, FedProx,
+Scaffold, Local, Centralized) or the FedSM-extra selector.
+
+Choices that matter:
+
+- A fresh Adam (0.9, 0.999) per network and round: a round is a pure function of the
+  received weights, the site's data and the seed, so a resumed or re-sent round gives the same
+  result in the simulation and over the network.
+- The selector sees images downscaled to ``selector_size`` (default 32 px): it only has to
+  recognise a site's acquisition style (colour, brightness, contrast, field of view), and a
+  VGG-11 step at full resolution would cost ~8x a U-Net step.
+- Single-label drift: each site's selector data carries one label, so a selector trained
+  freely at one site learns "always my site". Two measures keep it routing (see
+  ``docs/architecture.md``): the selector's BatchNorm layers normalise with their running
+  statistics during local training instead of the single-site batch statistics (batch
+  statistics of one site would subtract exactly the site's colour cast the selector must
+  see, and make local training and inference disagree), and the selector's step size is
+  smaller than the U-Nets' so a round's local drift stays small relative to what FedAvg
+  averages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.data.site_data import SplitArrays
+from engine.errors import CancelledError, ConfigError
+from engine.fl.aggregation import fedprox_penalty
+from engine.fl.weights import Weights, clone_weights
+from engine.models import build_segmentation_net, build_selector
+from engine.tasks import TaskSpec
+
+ProgressFn = Callable[[dict[str, Any]], None]
+CancelFn = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class LocalTrainingConfig:
+    """Hyper-parameters of one site's local round.
+
+    Attributes
+    ----------
+    epochs
+        Local epochs per round.
+    batch_size
+        Images (or slices) per batch.
+    lr
+        Adam learning rate of the segmentation networks.
+    selector_lr
+        Adam learning rate of the model selector.
+    selector_size
+        Side in pixels of the images the selector sees.
+    selector_head
+        ``"gap"`` (default) or ``"classic"`` (VGG's 25088-4096-4096 head, comparison only).
+    prox_mu
+        FedProx proximal coefficient (0 = off).
+    device
+        ``"auto"`` (CUDA with mixed precision when present, else CPU), ``"cpu"`` or ``"cuda"``.
+    """
+
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 1e-3
+    selector_lr: float = 1e-4
+    selector_size: int = 32
+    selector_head: str = "gap"
+    prox_mu: float = 0.0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.batch_size < 1:
+            raise ConfigError(f"epochs and batch_size must be >= 1, got {self.epochs} and {self.batch_size}")
+        if self.lr <= 0 or self.selector_lr <= 0:
+            raise ConfigError(f"learning rates must be > 0, got lr={self.lr}, selector_lr={self.selector_lr}")
+        if self.selector_size < 32 or self.selector_size % 32:
+            raise ConfigError(f"selector_size must be a multiple of 32 (VGG pools 5 times), got {self.selector_size}")
+
+
+@dataclass
+class RoundContext:
+    """Who is training what, for progress events and cancellation."""
+
+    method: str
+    round: int
+    site: str
+    progress: ProgressFn | None = None
+    cancel: CancelFn | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel():
+            raise CancelledError(f"{self.method}: training cancelled in round {self.round} at site {self.site}")
+
+    def report(self, batch: int, batches: int, losses: Mapping[str, float]) -> None:
+        if self.progress is not None:
+            self.progress({
+                "event": "batch", "method": self.method, "round": self.round, "site": self.site,
+                "batch": batch, "batches": batches, "loss": {k: round(v, 5) for k, v in losses.items()},
+            })
+
+
+@dataclass
+class Device:
+    """Torch device plus whether mixed precision is used on it."""
+
+    torch_device: torch.device
+    amp: bool
+
+    @classmethod
+    def resolve(cls, name: str) -> Device:
+        from engine.inference.device import resolve_device
+
+        dev, amp = resolve_device(name)
+        return cls(dev, amp)
+
+
+def _seeded_generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(int(seed) % (2**63))
+    return gen
+
+
+def batch_order(n: int, batch_size: int, epochs: int, seed: int) -> list[np.ndarray]:
+    """Shuffled mini-batch indices for ``epochs`` passes over ``n`` samples (last batch may be short)."""
+    gen = _seeded_generator(seed)
+    batches: list[np.ndarray] = []
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=gen).numpy()
+        batches += [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    return batches
+
+
+def num_local_steps(n: int, cfg: LocalTrainingConfig) -> int:
+    """Number of optimizer steps one local round takes on ``n`` samples."""
+    return cfg.epochs * math.ceil(n / cfg.batch_size)
+
+
+class _Learner:
+    """One network with its optimizer, loss and (on CUDA) gradient scaler."""
+
+    def __init__(self, net: torch.nn.Module, lr: float, device: Device) -> None:
+        self.net = net.to(device.torch_device)
+        self.device = device
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=lr, betas=(0.9, 0.999))
+        self.scaler = torch.amp.GradScaler("cuda") if device.amp else None
+
+    def step(self, loss_fn: Callable[[torch.nn.Module], torch.Tensor],
+             grad_hook: Callable[[torch.nn.Module], None] | None = None) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", enabled=self.device.amp):
+            loss = loss_fn(self.net)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
+        else:
+            loss.backward()
+        if grad_hook is not None:
+            grad_hook(self.net)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        return float(loss.detach())
+
+
+def _dice_loss() -> torch.nn.Module:
+    from monai.losses import DiceLoss
+
+    # batch=True: one Dice over the whole batch, so slices without the structure (common in
+    # prostate volumes) do not dominate the loss with 0/0 cases.
+    return DiceLoss(sigmoid=True, batch=True)
+
+
+def _segmentation_learner(task: TaskSpec, weights: Mapping[str, torch.Tensor], lr: float,
+                          device: Device) -> _Learner:
+    net = build_segmentation_net(task.in_channels, task.out_channels)
+    net.load_state_dict(weights)
+    net.train()
+    return _Learner(net, lr, device)
+
+
+def _selector_learner(task: TaskSpec, weights: Mapping[str, torch.Tensor], num_classes: int,
+                      cfg: LocalTrainingConfig, device: Device) -> _Learner:
+    net = build_selector(task.in_channels, num_classes, cfg.selector_head)  # type: ignore[arg-type]
+    net.load_state_dict(weights)
+    net.train()
+    freeze_batchnorm_statistics(net)
+    return _Learner(net, cfg.selector_lr, device)
+
+
+def freeze_batchnorm_statistics(net: torch.nn.Module) -> None:
+    """Put BatchNorm layers in eval mode: normalise with running statistics, leave them unchanged.
+
+    The affine parameters still train. See the module docstring for why the selector needs it.
+    """
+    for module in net.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.eval()
+
+
+def _to_device(array: np.ndarray, idx: np.ndarray, device: Device) -> torch.Tensor:
+    return torch.from_numpy(array[idx]).to(device.torch_device, non_blocking=True)
+
+
+def selector_inputs(images: np.ndarray, size: int) -> np.ndarray:
+    """Images downscaled once per round to the selector's input size."""
+    from engine.data.preprocess import resize_images
+
+    return resize_images(images, size)
+
+
+def train_segmentation_round(
+    task: TaskSpec,
+    weights: Mapping[str, torch.Tensor],
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    seed: int,
+    ctx: RoundContext,
+    *,
+    prox_anchor: Mapping[str, torch.Tensor] | None = None,
+    scaffold_correction: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[Weights, dict[str, float]]:
+    """Train one segmentation network for one local round.
+
+    Parameters
+    ----------
+    prox_anchor
+        FedProx: the weights received this round; adds ``prox_mu/2 ||w - anchor||^2``.
+    scaffold_correction
+        Scaffold: ``c - c_k`` per parameter, added to every gradient before the Adam step.
+
+    Returns
+    -------
+    weights, metrics
+        Trained weights (CPU) and ``{"loss": mean loss, "steps": optimizer steps}``.
+    """
+    device = Device.resolve(cfg.device)
+    torch.manual_seed(seed)
+    learner = _segmentation_learner(task, weights, cfg.lr, device)
+    loss_fn = _dice_loss()
+    anchor = None
+    if prox_anchor is not None and cfg.prox_mu > 0:
+        anchor = {k: v.to(device.torch_device) for k, v in prox_anchor.items()}
+    correction = None
+    if scaffold_correction is not None:
+        correction = {k: v.to(device.torch_device) for k, v in scaffold_correction.items()}
+
+    def add_correction(net: torch.nn.Module) -> None:
+        assert correction is not None
+        for name, param in net.named_parameters():
+            if param.grad is not None:
+                param.grad.add_(correction[name])
+
+    batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
+    total = 0.0
+    for i, idx in enumerate(batches, start=1):
+        ctx.check_cancel()
+        x = _to_device(data.images, idx, device)
+        y = _to_device(data.masks, idx, device)
+
+        def objective(net: torch.nn.Module, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            loss = loss_fn(net(x), y)
+            if anchor is not None:
+                loss = loss + fedprox_penalty(net, anchor, cfg.prox_mu)
+            return loss
+
+        loss = learner.step(objective, add_correction if correction is not None else None)
+        total += loss
+        ctx.report(i, len(batches), {"seg": loss})
+    return clone_weights(learner.net.state_dict()), {"loss": total / max(len(batches), 1),
+                                                     "steps": float(len(batches))}
+
+
+def train_fedsm_round(
+    task: TaskSpec,
+    global_weights: Mapping[str, torch.Tensor],
+    personal_weights: Mapping[str, torch.Tensor],
+    selector_weights: Mapping[str, torch.Tensor],
+    site_index: int,
+    num_sites: int,
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    seed: int,
+    ctx: RoundContext,
+) -> tuple[Weights, Weights, Weights, dict[str, float]]:
+    """One FedSM local round (paper Algorithm 1, lines 6-11).
+
+    Each batch takes one Adam step on the site's copy of the global model, one on its
+    personalized model, and one on the selector with label ``site_index`` (0-based).
+
+    Returns
+    -------
+    global, personal, selector, metrics
+        The three trained weight dicts and mean losses per network.
+    """
+    if not 0 <= site_index < num_sites:
+        raise ConfigError(f"site index {site_index} outside 0..{num_sites - 1}")
+    device = Device.resolve(cfg.device)
+    torch.manual_seed(seed)
+    glob = _segmentation_learner(task, global_weights, cfg.lr, device)
+    pers = _segmentation_learner(task, personal_weights, cfg.lr, device)
+    sel = _selector_learner(task, selector_weights, num_sites, cfg, device)
+    dice = _dice_loss()
+    small = selector_inputs(data.images, cfg.selector_size)
+
+    batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
+    sums = {"global": 0.0, "personal": 0.0, "selector": 0.0}
+    for i, idx in enumerate(batches, start=1):
+        ctx.check_cancel()
+        x = _to_device(data.images, idx, device)
+        y = _to_device(data.masks, idx, device)
+        xs = _to_device(small, idx, device)
+        label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
+        losses = {
+            "global": glob.step(lambda net: dice(net(x), y)),
+            "personal": pers.step(lambda net: dice(net(x), y)),
+            "selector": sel.step(lambda net: F.cross_entropy(net(xs), label)),
+        }
+        for k, v in losses.items():
+            sums[k] += v
+        ctx.report(i, len(batches), losses)
+    n = max(len(batches), 1)
+    metrics = {f"loss_{k}": v / n for k, v in sums.items()} | {"steps": float(len(batches))}
+    return (clone_weights(glob.net.state_dict()), clone_weights(pers.net.state_dict()),
+            clone_weights(sel.net.state_dict()), metrics)
+
+
+def train_selector_round(
+    task: TaskSpec,
+    selector_weights: Mapping[str, torch.Tensor],
+    labels: np.ndarray,
+    num_classes: int,
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    seed: int,
+    ctx: RoundContext,
+) -> tuple[Weights, dict[str, float]]:
+    """Train the selector alone on per-image ``labels`` (FedSM-extra's extra rounds)."""
+    device = Device.resolve(cfg.device)
+    torch.manual_seed(seed)
+    sel = _selector_learner(task, selector_weights, num_classes, cfg, device)
+    small = selector_inputs(data.images, cfg.selector_size)
+    targets = torch.from_numpy(labels.astype(np.int64))
+    batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
+    total = 0.0
+    for i, idx in enumerate(batches, start=1):
+        ctx.check_cancel()
+        xs = _to_device(small, idx, device)
+        y = targets[idx].to(device.torch_device)
+        loss = sel.step(lambda net: F.cross_entropy(net(xs), y))
+        total += loss
+        ctx.report(i, len(batches), {"selector": loss})
+    return clone_weights(sel.net.state_dict()), {"loss_selector": total / max(len(batches), 1),
+                                                 "steps": float(len(batches))}
+
+
+def best_model_labels(
+    task: TaskSpec,
+    global_weights: Mapping[str, torch.Tensor],
+    personal_weights: list[Mapping[str, torch.Tensor]],
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    ctx: RoundContext,
+) -> np.ndarray:
+    """FedSM-extra selector labels: per image, the model with the lowest Dice loss.
+
+    Index 0 is the global model, ``k`` (1..K) site k's personalized model.
+    """
+    from monai.losses import DiceLoss
+
+    device = Device.resolve(cfg.device)
+    per_image = DiceLoss(sigmoid=True, reduction="none")
+    losses = np.zeros((len(data.images), 1 + len(personal_weights)), dtype=np.float64)
+    for m, weights in enumerate([global_weights, *personal_weights]):
+        net = build_segmentation_net(task.in_channels, task.out_channels)
+        net.load_state_dict(weights)
+        net.to(device.torch_device).eval()
+        with torch.inference_mode():
+            for start in range(0, len(data.images), cfg.batch_size):
+                ctx.check_cancel()
+                idx = np.arange(start, min(start + cfg.batch_size, len(data.images)))
+                x = _to_device(data.images, idx, device)
+                y = _to_device(data.masks, idx, device)
+                with torch.autocast("cuda", enabled=device.amp):
+                    out = net(x)
+                loss = per_image(out.float(), y).flatten(1).mean(1)
+                losses[idx, m] = loss.cpu().numpy()
+    # ties (e.g. an empty slice every model gets right) go to the global model, index 0
+    return np.argmin(losses, axis=1).astype(np.int64)

@@ -1,0 +1,437 @@
+"""Federated methods as transport-agnostic server and site halves.
+
+A method is split the way Flower splits a Strategy from a ClientApp:
+
+- server half: :meth:`FederatedMethod.initial_state`, :meth:`~FederatedMethod.site_instructions`
+  (what each site receives this round) and :meth:`~FederatedMethod.aggregate` (new server
+  state from the updates that arrived; a site that did not answer is simply absent);
+- site half: :meth:`~FederatedMethod.train_at_site`, run where the data lives.
+
+Payloads are dicts of named weight dicts (``"global"``, ``"personal"``, ``"selector"``, ...),
+so a transport only has to move tensors, counts and metrics. Both the in-process simulation
+(:mod:`engine.federation.inprocess`) and the network transport call exactly these methods.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from engine.data.site_data import SplitArrays
+from engine.errors import ConfigError
+from engine.fl.aggregation import check_lam, fedavg, scaffold_server_update, scaffold_site_control, soft_pull
+from engine.fl.local_training import (
+    LocalTrainingConfig,
+    RoundContext,
+    best_model_labels,
+    num_local_steps,
+    train_fedsm_round,
+    train_segmentation_round,
+    train_selector_round,
+)
+from engine.fl.weights import Weights, check_compatible, model_weights, subtract
+from engine.models import build_segmentation_net, build_selector
+from engine.tasks import TaskSpec
+
+#: Server state and payloads: part name -> weight dict.
+WeightSet = dict[str, Weights]
+
+
+def derived_seed(*parts: object) -> int:
+    """Stable 63-bit seed from any parts (same value in every process and Python version)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()
+    return int(digest[:15], 16)
+
+
+@dataclass
+class SiteInstructions:
+    """What the server sends one site for one round."""
+
+    round: int
+    weights: WeightSet
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SiteUpdate:
+    """What one site sends back: weights, its training sample count and metrics. Nothing else."""
+
+    weights: WeightSet
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SiteRuntime:
+    """A site as its own process sees it: name, index, local data and private state."""
+
+    name: str
+    index: int
+    train: SplitArrays
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class FederatedMethod(ABC):
+    """Base of every method. Subclasses set :attr:`name` and implement the four halves.
+
+    Parameters
+    ----------
+    task
+        The segmentation task.
+    site_names
+        Configured sites, in index order (site ``k`` has index ``k``; label ``k`` for the
+        selector).
+    training
+        Local training hyper-parameters.
+    seed
+        Base seed; every site and round derives its own from it.
+    """
+
+    name: ClassVar[str]
+    #: Parts of the server state that :meth:`aggregate` replaces each round.
+    uses_selector: ClassVar[bool] = False
+
+    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
+                 seed: int = 0) -> None:
+        if len(site_names) < 1:
+            raise ConfigError("a federation needs at least one site")
+        if len(set(site_names)) != len(site_names):
+            raise ConfigError(f"site names must be unique, got {site_names}")
+        self.task = task
+        self.site_names = list(site_names)
+        self.training = training
+        self.seed = seed
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _initial_segmentation(self) -> Weights:
+        torch.manual_seed(derived_seed(self.seed, "init", "segmentation"))
+        return model_weights(build_segmentation_net(self.task.in_channels, self.task.out_channels))
+
+    def _initial_selector(self, num_classes: int) -> Weights:
+        torch.manual_seed(derived_seed(self.seed, "init", "selector"))
+        return model_weights(build_selector(self.task.in_channels, num_classes,
+                                            self.training.selector_head))  # type: ignore[arg-type]
+
+    def _context(self, rnd: int, site: SiteRuntime, progress: Any, cancel: Any) -> RoundContext:
+        return RoundContext(self.name, rnd, site.name, progress, cancel)
+
+    def _site_seed(self, rnd: int, site: SiteRuntime, part: str = "") -> int:
+        return derived_seed(self.seed, self.name, rnd, site.name, part)
+
+    # --- server half -----------------------------------------------------------------------
+    @abstractmethod
+    def initial_state(self) -> WeightSet:
+        """Server state before round 1."""
+
+    @abstractmethod
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        """Payload for ``site`` in round ``rnd`` (1-based)."""
+
+    @abstractmethod
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        """New server state from the updates of the sites that answered (at least one)."""
+
+    # --- site half -------------------------------------------------------------------------
+    @abstractmethod
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        """Run the local round and return only weights, the sample count and metrics."""
+
+    # --- shared checks ---------------------------------------------------------------------
+    def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
+        """Reject an update whose parts do not fit the server's models (keys, shapes, dtypes, NaN)."""
+        reference = self.expected_update_shapes(state, site)
+        if set(update.weights) != set(reference):
+            raise ConfigError(
+                f"update from {site} has parts {sorted(update.weights)}, expected {sorted(reference)}"
+            )
+        for part, ref in reference.items():
+            check_compatible(ref, update.weights[part], what=f"{part} update from {site}")
+        if update.num_samples <= 0:
+            raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
+
+    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
+        """Reference weights an update's parts must match (default: the global model)."""
+        return {"global": state["global"]}
+
+
+class FedAvg(FederatedMethod):
+    """FedAvg (McMahan et al.): one global model, ``w = sum_k n_k/n w_k``."""
+
+    name = "fedavg"
+
+    def initial_state(self) -> WeightSet:
+        return {"global": self._initial_segmentation()}
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        return SiteInstructions(rnd, {"global": state["global"]})
+
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        new = dict(state)
+        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
+        return new
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        ctx = self._context(instructions.round, site, progress, cancel)
+        weights, metrics = train_segmentation_round(
+            self.task, instructions.weights["global"], site.train, self.training,
+            self._site_seed(instructions.round, site), ctx)
+        return SiteUpdate({"global": weights}, len(site.train.images), metrics)
+
+
+class FedProx(FedAvg):
+    """FedProx (Li et al.): FedAvg plus ``mu/2 ||w - w_round||^2`` in each site's loss."""
+
+    name = "fedprox"
+
+    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
+                 seed: int = 0, mu: float = 0.01) -> None:
+        super().__init__(task, site_names, training, seed)
+        if mu < 0:
+            raise ConfigError(f"FedProx mu must be >= 0, got {mu}")
+        self.mu = mu
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        return SiteInstructions(rnd, {"global": state["global"]}, {"prox_mu": self.mu})
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        from dataclasses import replace
+
+        ctx = self._context(instructions.round, site, progress, cancel)
+        cfg = replace(self.training, prox_mu=float(instructions.config["prox_mu"]))
+        received = instructions.weights["global"]
+        weights, metrics = train_segmentation_round(
+            self.task, received, site.train, cfg, self._site_seed(instructions.round, site), ctx,
+            prox_anchor=received)
+        return SiteUpdate({"global": weights}, len(site.train.images), metrics)
+
+
+class Scaffold(FedAvg):
+    """Scaffold (Karimireddy et al.): control variates correct each site's drift.
+
+    The server keeps ``c``, each site its own ``c_k`` (site state, never sent as such; the site
+    sends the change ``c_k+ - c_k``). Every local gradient gets ``c - c_k`` added before the
+    Adam step; ``c_k`` is updated with option II of the paper.
+    """
+
+    name = "scaffold"
+
+    def _zero_control(self, weights: Weights) -> Weights:
+        params = dict(build_segmentation_net(self.task.in_channels, self.task.out_channels).named_parameters())
+        return {k: torch.zeros_like(v) for k, v in weights.items() if k in params}
+
+    def initial_state(self) -> WeightSet:
+        weights = self._initial_segmentation()
+        return {"global": weights, "control": self._zero_control(weights)}
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        return SiteInstructions(rnd, {"global": state["global"], "control": state["control"]})
+
+    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
+        return {"global": state["global"], "control_delta": state["control"]}
+
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        new = super().aggregate(state, rnd, updates)
+        new["control"] = scaffold_server_update(
+            state["control"], [u.weights["control_delta"] for u in updates.values()], len(self.site_names))
+        return new
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        ctx = self._context(instructions.round, site, progress, cancel)
+        received = instructions.weights["global"]
+        server_c = instructions.weights["control"]
+        site_c = site.state.get("scaffold_control") or {k: torch.zeros_like(v) for k, v in server_c.items()}
+        correction = subtract(server_c, site_c)
+        weights, metrics = train_segmentation_round(
+            self.task, received, site.train, self.training, self._site_seed(instructions.round, site), ctx,
+            scaffold_correction=correction)
+        steps = num_local_steps(len(site.train.images), self.training)
+        new_c = scaffold_site_control(site_c, server_c, received, weights, steps, self.training.lr)
+        site.state["scaffold_control"] = new_c
+        return SiteUpdate({"global": weights, "control_delta": subtract(new_c, site_c)},
+                          len(site.train.images), metrics)
+
+
+class LocalOnly(FederatedMethod):
+    """Each site trains alone; nothing is exchanged (baseline). The server keeps no model."""
+
+    name = "local"
+
+    def initial_state(self) -> WeightSet:
+        init = self._initial_segmentation()
+        return {f"personal/{s}": init for s in self.site_names}
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        # round 1 hands out the common initialisation; later rounds continue from the site's own model
+        return SiteInstructions(rnd, {"personal": state[f"personal/{site}"]} if rnd == 1 else {})
+
+    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
+        return {}
+
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        return dict(state)
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        ctx = self._context(instructions.round, site, progress, cancel)
+        start = instructions.weights.get("personal", site.state.get("local_model"))
+        weights, metrics = train_segmentation_round(
+            self.task, start, site.train, self.training, self._site_seed(instructions.round, site), ctx)
+        site.state["local_model"] = weights
+        return SiteUpdate({}, len(site.train.images), metrics)
+
+
+class FedSM(FederatedMethod):
+    """FedSM (Xu et al., CVPR 2022): global model, SoftPull personalized models, model selector.
+
+    Parameters
+    ----------
+    lam
+        SoftPull coefficient in ``[1/K, 1]``; ``K`` is the number of configured sites for this
+        check, while each round's SoftPull pulls among the sites that answered.
+    gamma
+        Routing threshold recorded for inference (Algorithm 2, strict ``>``).
+    """
+
+    name = "fedsm"
+    uses_selector = True
+
+    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
+                 seed: int = 0, lam: float = 0.7, gamma: float = 0.6) -> None:
+        super().__init__(task, site_names, training, seed)
+        check_lam(lam, len(site_names))
+        if not 0.0 <= gamma <= 1.0:
+            raise ConfigError(f"gamma={gamma} must lie in [0, 1]")
+        self.lam = lam
+        self.gamma = gamma
+
+    @property
+    def num_selector_classes(self) -> int:
+        return len(self.site_names)
+
+    def initial_state(self) -> WeightSet:
+        init = self._initial_segmentation()
+        state: WeightSet = {"global": init, "selector": self._initial_selector(self.num_selector_classes)}
+        state |= {f"personal/{s}": init for s in self.site_names}
+        return state
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"],
+                                      "selector": state["selector"]})
+
+    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
+        return {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        new = dict(state)
+        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
+        new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
+        pulled = soft_pull({s: u.weights["personal"] for s, u in updates.items()}, self.lam)
+        for site, weights in pulled.items():
+            new[f"personal/{site}"] = weights
+        return new
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        ctx = self._context(instructions.round, site, progress, cancel)
+        w = instructions.weights
+        glob, pers, sel, metrics = train_fedsm_round(
+            self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
+            site.train, self.training, self._site_seed(instructions.round, site), ctx)
+        return SiteUpdate({"global": glob, "personal": pers, "selector": sel}, len(site.train.images), metrics)
+
+
+class FedSMExtra(FedSM):
+    """FedSM-extra (paper Algorithms 3-4): selector trained afterwards over K+1 models.
+
+    Rounds ``1..rounds`` train the global and personalized models (FedAvg + SoftPull).
+    Rounds ``rounds+1..rounds+extra_rounds`` train only the selector, with label = index of the
+    model (0 = global, k = site k's personalized model) whose prediction has the lowest Dice
+    loss against the ground truth; inference takes the argmax over K+1. Extra rounds send every
+    site all K+1 segmentation models so it can compute those labels (the method's price).
+    """
+
+    name = "fedsm-extra"
+
+    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
+                 seed: int = 0, lam: float = 0.7, gamma: float = 0.6, rounds: int = 1,
+                 extra_rounds: int = 1) -> None:
+        super().__init__(task, site_names, training, seed, lam, gamma)
+        if rounds < 1 or extra_rounds < 1:
+            raise ConfigError(f"FedSM-extra needs rounds >= 1 and extra_rounds >= 1, got {rounds}, {extra_rounds}")
+        self.rounds = rounds
+        self.extra_rounds = extra_rounds
+
+    @property
+    def num_selector_classes(self) -> int:
+        return len(self.site_names) + 1
+
+    def _is_extra(self, rnd: int) -> bool:
+        return rnd > self.rounds
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        if not self._is_extra(rnd):
+            return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"]})
+        weights = {"selector": state["selector"], "global": state["global"]}
+        weights |= {f"personal/{s}": state[f"personal/{s}"] for s in self.site_names}
+        return SiteInstructions(rnd, weights, {"phase": "selector"})
+
+    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
+        # the phase is not known here; both shapes are checked by aggregate's caller via parts
+        return {}
+
+    def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
+        parts = set(update.weights)
+        if parts == {"selector"}:
+            check_compatible(state["selector"], update.weights["selector"], f"selector update from {site}")
+        elif parts == {"global", "personal"}:
+            check_compatible(state["global"], update.weights["global"], f"global update from {site}")
+            check_compatible(state[f"personal/{site}"], update.weights["personal"], f"personal update from {site}")
+        else:
+            raise ConfigError(f"update from {site} has unexpected parts {sorted(parts)}")
+        if update.num_samples <= 0:
+            raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
+
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        new = dict(state)
+        if self._is_extra(rnd):
+            new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
+            return new
+        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
+        for site, weights in soft_pull({s: u.weights["personal"] for s, u in updates.items()}, self.lam).items():
+            new[f"personal/{site}"] = weights
+        return new
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        ctx = self._context(instructions.round, site, progress, cancel)
+        w = instructions.weights
+        seed = self._site_seed(instructions.round, site)
+        n = len(site.train.images)
+        if not self._is_extra(instructions.round):
+            glob, m1 = train_segmentation_round(self.task, w["global"], site.train, self.training, seed, ctx)
+            pers, m2 = train_segmentation_round(self.task, w["personal"], site.train, self.training,
+                                                derived_seed(seed, "personal"), ctx)
+            return SiteUpdate({"global": glob, "personal": pers}, n,
+                              {"loss_global": m1["loss"], "loss_personal": m2["loss"]})
+        labels = best_model_labels(self.task, w["global"], [w[f"personal/{s}"] for s in self.site_names],
+                                   site.train, self.training, ctx)
+        sel, metrics = train_selector_round(self.task, w["selector"], labels, self.num_selector_classes,
+                                            site.train, self.training, seed, ctx)
+        counts = np.bincount(labels, minlength=self.num_selector_classes)
+        metrics |= {f"label_share_{i}": float(c) / max(n, 1) for i, c in enumerate(counts)}
+        return SiteUpdate({"selector": sel}, n, metrics)
+
+
+METHODS: dict[str, type[FederatedMethod]] = {
+    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, LocalOnly, FedSM, FedSMExtra)
+}

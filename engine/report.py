@@ -1,0 +1,126 @@
+"""Simulation report files: ``report.json`` (schema in docs/report-schema.md) and ``report.md``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.io.atomic import write_text_atomic
+from engine.tasks import TaskSpec
+
+METHOD_TITLES = {
+    "centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
+    "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
+}
+
+
+def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str, Any]) -> dict[str, Any]:
+    """Bytes per site per round for each method, and FedSM with VGG's classic selector head.
+
+    The classic-head figure replaces the selector's head in both directions of FedSM's
+    payload, computed from parameter counts (float32), so no 120M-parameter model is built.
+    """
+    from engine.models.selector import head_parameter_count
+
+    out: dict[str, Any] = {"unit": "bytes, float32 tensors, mean over sites and rounds"}
+    for name, r in results.items():
+        b = r.bytes_per_round
+        if not b:
+            continue
+        out[name] = {
+            "received_per_site_round": sum(v["received_mean"] for v in b.values()) / len(b),
+            "sent_per_site_round": sum(v["sent_mean"] for v in b.values()) / len(b),
+        }
+    if "fedsm" in out:
+        extra = 4 * (head_parameter_count("classic", num_sites) - head_parameter_count(cfg.selector_head, num_sites))
+        if cfg.selector_head == "classic":
+            extra = 0
+        out["fedsm_classic_selector_head"] = {
+            "received_per_site_round": out["fedsm"]["received_per_site_round"] + extra,
+            "sent_per_site_round": out["fedsm"]["sent_per_site_round"] + extra,
+            "note": "FedSM payload with VGG-11's 25088-4096-4096 head instead of the pooled head; "
+                    "the reference implementation also ships the selector's Adam moments (x3)",
+        }
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:.4f}"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f} MiB"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Human-readable report: a Dice table like the paper's Table 3 plus routing and traffic."""
+    cfg = report["config"]
+    labels = report["task"]["label_names"]
+    sites = [s["name"] for s in report["sites"]]
+    lines = [
+        f"# FedSM simulation: {cfg['task']}, {len(sites)} sites, {cfg['rounds']} rounds",
+        "",
+        f"Created {report['created']} on {report['machine']['device']} "
+        f"({report['machine']['platform']}, torch {report['machine']['torch']}); wall time {report['wall_s']} s.",
+        f"Image size {cfg['image_size']} px, selector input {cfg['selector_size']} px, seed {cfg['seed']}, "
+        f"lam {cfg['lam']}, gamma {cfg['gamma']}, local epochs {cfg['epochs']}, batch {cfg['batch_size']}.",
+        "",
+        "## Sites",
+        "",
+        "| site | train | validation | test |",
+        "|---|---|---|---|",
+    ]
+    for s in report["sites"]:
+        lines.append(f"| {s['name']} | {s['train']['cases']} cases / {s['train']['images']} images | "
+                     f"{s['validation']['cases']} | {s['test']['cases']} |")
+    structures = [*labels, "mean"] if len(labels) > 1 else ["mean"]
+    for structure in structures:
+        title = "mean over structures" if structure == "mean" and len(labels) > 1 else structure
+        lines += ["", f"## Test Dice ({title})", "",
+                  "| method | " + " | ".join(sites) + " | client average | global (pooled) |",
+                  "|---" * (len(sites) + 3) + "|"]
+        for name, r in report["methods"].items():
+            cells = [_fmt(r["dice"][s][structure]) for s in sites]
+            lines.append(f"| {METHOD_TITLES.get(name, name)} | " + " | ".join(cells)
+                         + f" | {_fmt(r['client_average'][structure])} | {_fmt(r['pooled'][structure])} |")
+    for name in ("fedsm", "fedsm-extra"):
+        r = report["methods"].get(name)
+        if not r:
+            continue
+        extra = r["extra"]
+        lines += ["", f"## {METHOD_TITLES[name]}: selector and routing", "",
+                  f"Selector accuracy on held-out images of participating sites: "
+                  f"{extra['selector_accuracy']['overall']:.4f} "
+                  + "(" + ", ".join(f"{s} {extra['selector_accuracy'].get(s, float('nan')):.3f}" for s in sites) + ")",
+                  "",
+                  "Routing frequency on each site's test images (rows: where the image came from):", "",
+                  "| test site | global | " + " | ".join(sites) + " |",
+                  "|---" * (len(sites) + 2) + "|"]
+        for s in sites:
+            freq = extra["routing"][s]
+            lines.append(f"| {s} | {freq['global']:.2f} | " + " | ".join(f"{freq[t]:.2f}" for t in sites) + " |")
+        comp = extra["components"]
+        lines += ["", f"Components (client average, mean Dice): global model alone "
+                      f"{_fmt(comp['global_only']['client_average']['mean'])}, each site's personalized model on "
+                      f"its own site {_fmt(comp['personal_oracle']['client_average']['mean'])}."]
+    lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
+    for name, t in report["traffic"].items():
+        if isinstance(t, dict) and "received_per_site_round" in t:
+            lines.append(f"| {METHOD_TITLES.get(name, name)} | {_mib(t['received_per_site_round'])} | "
+                         f"{_mib(t['sent_per_site_round'])} |")
+    lines += ["", "## Wall time", "", "| method | seconds |", "|---|---|"]
+    for name, r in report["methods"].items():
+        lines.append(f"| {METHOD_TITLES.get(name, name)} | {r['wall_s']:.1f} |")
+    if report.get("supermodel"):
+        lines += ["", "## Super model", ""]
+        for name, s in report["supermodel"].items():
+            lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(out_dir: Path, report: dict[str, Any]) -> None:
+    """Write ``report.json`` and ``report.md`` atomically."""
+    from engine.simulate import report_json
+
+    write_text_atomic(Path(out_dir) / "report.json", report_json(report) + "\n")
+    write_text_atomic(Path(out_dir) / "report.md", render_markdown(report))

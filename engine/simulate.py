@@ -1,0 +1,400 @@
+"""``fedsm simulate``: run methods side by side on a (synthetic) multi-site federation.
+
+Creates or reuses the data, runs each method through the in-process transport with the same
+strategy code the network federation uses, evaluates every method on each site's test split,
+and writes ``report.json``, ``report.md`` and the FedSM super model. The report schema is
+documented in ``docs/report-schema.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ConfigError
+from engine.tasks import TaskSpec, get_task
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+#: Every method ``--methods`` accepts, in the order the report lists them.
+ALL_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra")
+#: SoftPull lam per task when none is given (the paper's best values).
+DEFAULT_LAM = {"fundus": 0.7, "prostate": 0.3}
+REPORT_SCHEMA = "fedsm-simulation-report/1"
+
+
+@dataclass
+class SimulationConfig:
+    """Everything that determines a simulation's result (recorded in the report)."""
+
+    task: str = "fundus"
+    sites: int = 3
+    rounds: int = 3
+    methods: tuple[str, ...] = ("fedavg", "fedsm")
+    image_size: int = 256
+    seed: int = 0
+    lam: float | None = None
+    gamma: float = 0.6
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 1e-3
+    selector_lr: float = 1e-4
+    selector_size: int = 32
+    selector_head: str = "gap"
+    prox_mu: float = 0.01
+    extra_rounds: int | None = None
+    device: str = "auto"
+    data_dir: str | None = None
+    site_names: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        get_task(self.task)
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+        if not self.methods:
+            raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
+        if self.rounds < 1:
+            raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
+        if self.lam is None:
+            self.lam = DEFAULT_LAM[self.task]
+        if self.extra_rounds is None:
+            self.extra_rounds = self.rounds
+
+    def training(self) -> Any:
+        from engine.fl.local_training import LocalTrainingConfig
+
+        return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                                   selector_lr=self.selector_lr, selector_size=self.selector_size,
+                                   selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device)
+
+
+def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
+    """Reuse matching synthetic data under the data folder, or generate it."""
+    from engine.data.synth import existing_federation, generate_federation
+
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
+    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
+    if found is not None:
+        log.info("reusing synthetic data in %s", data_dir)
+        return found
+    log.info("writing synthetic %s data for %d sites to %s", cfg.task, cfg.sites, data_dir)
+    if progress:
+        progress({"event": "status", "message": f"generating synthetic {cfg.task} data in {data_dir}"})
+    return generate_federation(cfg.task, cfg.sites, data_dir, image_size=cfg.image_size, seed=cfg.seed,
+                               progress=(lambda msg: log.info(msg)))
+
+
+def _label_means(dice: np.ndarray, labels: tuple[str, ...]) -> dict[str, float]:
+    out = {name: float(dice[:, i].mean()) for i, name in enumerate(labels)}
+    out["mean"] = float(dice.mean()) if dice.size else float("nan")
+    return out
+
+
+@dataclass
+class MethodResult:
+    """Evaluation of one method; serialised into ``report.json``."""
+
+    dice: dict[str, dict[str, float]]
+    client_average: dict[str, float]
+    pooled: dict[str, float]
+    wall_s: float
+    rounds: list[dict[str, Any]]
+    bytes_per_round: dict[str, dict[str, float]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Simulation:
+    """One ``fedsm simulate`` run: data, methods, evaluation, report and super model."""
+
+    def __init__(self, cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None,
+                 cancel: Callable[[], bool] | None = None) -> None:
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.progress = progress
+        self.cancel = cancel
+        self.task: TaskSpec = get_task(cfg.task)
+        self.sites: list[Any] = []
+
+    # --- data ----------------------------------------------------------------------------
+    def load_sites(self) -> None:
+        from engine.data.site_data import load_site
+
+        datalists = prepare_data(self.cfg, self.out_dir, self.progress)
+        self.sites = [load_site(p, self.task, self.cfg.image_size) for p in datalists]
+        names = [s.name for s in self.sites]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"site names must be unique, got {names}")
+
+    def _runtimes(self) -> list[Any]:
+        from engine.fl.methods import SiteRuntime
+
+        return [SiteRuntime(s.name, i, s.train) for i, s in enumerate(self.sites)]
+
+    def _pooled_runtime(self) -> Any:
+        from engine.data.site_data import SplitArrays
+        from engine.fl.methods import SiteRuntime
+
+        parts = [s.train for s in self.sites]
+        offsets = np.cumsum([0] + [int(p.case_ids.max(initial=-1)) + 1 for p in parts])
+        pooled = SplitArrays(np.concatenate([p.images for p in parts]), np.concatenate([p.masks for p in parts]),
+                             np.concatenate([p.case_ids + o for p, o in zip(parts, offsets, strict=False)]))
+        return SiteRuntime("pooled", 0, pooled)
+
+    # --- evaluation ----------------------------------------------------------------------
+    def _evaluate(self, predict: Callable[[int, np.ndarray], np.ndarray]) -> tuple[dict, dict, dict]:
+        """Dice per site, client average and pooled, with ``predict(site_index, images)``."""
+        from engine.fl.evaluation import dice_per_case
+
+        labels = self.task.label_names
+        per_site: dict[str, dict[str, float]] = {}
+        all_cases = []
+        for k, site in enumerate(self.sites):
+            test = site.test
+            masks = predict(k, test.images)
+            dice = dice_per_case(masks, test.masks, test.case_ids)
+            per_site[site.name] = _label_means(dice, labels)
+            all_cases.append(dice)
+        client_avg = {key: float(np.mean([d[key] for d in per_site.values()])) for key in [*labels, "mean"]}
+        pooled = _label_means(np.concatenate(all_cases), labels)
+        return per_site, client_avg, pooled
+
+    def _round_summaries(self, records: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+        rounds = [{"round": r.round, "answered": r.answered, "failed": r.failed, "wall_s": round(r.wall_s, 3),
+                   "metrics": r.metrics} for r in records]
+        per_site: dict[str, dict[str, float]] = {}
+        for s in self.sites:
+            to_site = [r.bytes_to_site.get(s.name, 0) for r in records]
+            from_site = [r.bytes_from_site.get(s.name, 0) for r in records]
+            per_site[s.name] = {"received_mean": float(np.mean(to_site)) if to_site else 0.0,
+                                "sent_mean": float(np.mean(from_site)) if from_site else 0.0,
+                                "received_total": float(sum(to_site)), "sent_total": float(sum(from_site))}
+        return rounds, per_site
+
+    # --- methods -------------------------------------------------------------------------
+    def _build_method(self, name: str) -> Any:
+        from engine.fl import methods as m
+
+        names = [s.name for s in self.sites]
+        cfg, training = self.cfg, self.cfg.training()
+        if name == "fedprox":
+            return m.FedProx(self.task, names, training, cfg.seed, mu=cfg.prox_mu)
+        if name == "fedsm":
+            return m.FedSM(self.task, names, training, cfg.seed, lam=cfg.lam, gamma=cfg.gamma)
+        if name == "fedsm-extra":
+            return m.FedSMExtra(self.task, names, training, cfg.seed, lam=cfg.lam, gamma=cfg.gamma,
+                                rounds=cfg.rounds, extra_rounds=cfg.extra_rounds)
+        return m.METHODS[name](self.task, names, training, cfg.seed)
+
+    def run_method(self, name: str) -> MethodResult:
+        """Train and evaluate one method."""
+        from engine.federation.inprocess import run_rounds
+        from engine.fl.evaluation import segment_with
+        from engine.fl.methods import FedAvg
+
+        start = time.perf_counter()
+        training = self.cfg.training()
+        extra: dict[str, Any] = {}
+        if name == "centralized":
+            method = FedAvg(self.task, ["pooled"], training, self.cfg.seed)
+            method.name = "centralized"  # type: ignore[misc]
+            state, records = run_rounds(method, [self._pooled_runtime()], self.cfg.rounds,
+                                        progress=self.progress, cancel=self.cancel)
+            weights = state["global"]
+            per_site, client_avg, pooled = self._evaluate(
+                lambda k, x: segment_with(self.task, weights, x, self.cfg.device))
+            rounds, _ = self._round_summaries(records)
+            zero = {"received_mean": 0.0, "sent_mean": 0.0, "received_total": 0.0, "sent_total": 0.0}
+            return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds,
+                                {s.name: dict(zero) for s in self.sites})
+
+        method = self._build_method(name)
+        runtimes = self._runtimes()
+        total_rounds = self.cfg.rounds + (self.cfg.extra_rounds or 0 if name == "fedsm-extra" else 0)
+        state, records = run_rounds(method, runtimes, total_rounds, progress=self.progress, cancel=self.cancel)
+        if name == "local":
+            models = [rt.state["local_model"] for rt in runtimes]
+            per_site, client_avg, pooled = self._evaluate(
+                lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
+        elif name in ("fedsm", "fedsm-extra"):
+            per_site, client_avg, pooled, extra = self._evaluate_supermodel(method, state, records)
+        else:
+            per_site, client_avg, pooled = self._evaluate(
+                lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
+        rounds, bytes_per_round = self._round_summaries(records)
+        return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
+                            extra)
+
+    def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
+        from engine.bundle import BundleMetadata, SuperModelBundle
+
+        extra_method = method.name == "fedsm-extra"
+        meta = BundleMetadata(
+            task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
+            image_size=self.cfg.image_size, selector_size=self.cfg.selector_size,
+            selector_head=self.cfg.selector_head, normalisation=self.task.normalisation,
+            site_names=[s.name for s in self.sites], method=method.name,
+            routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
+            gamma=float(self.cfg.gamma),
+            rounds=self.cfg.rounds + (self.cfg.extra_rounds or 0 if extra_method else 0),
+            val_dice=val_dice, extra={"seed": self.cfg.seed})
+        return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
+                                state["selector"])
+
+    def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
+                             records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:
+        from engine.fl.evaluation import dice_per_case, segment_with
+        from engine.inference.predictor import SuperModelPredictor
+
+        names = [s.name for s in self.sites]
+        predictor = SuperModelPredictor(self._bundle(method, state, {n: None for n in names}), self.cfg.device)
+
+        # validation Dice of the routed super model, recorded in the bundle for the clinician
+        val_dice: dict[str, float | None] = {}
+        for site in self.sites:
+            if len(site.validation.images):
+                pred = predictor.predict(site.validation.images)
+                val_dice[site.name] = float(dice_per_case(pred.masks, site.validation.masks,
+                                                          site.validation.case_ids).mean())
+            else:
+                val_dice[site.name] = None
+        bundle = self._bundle(method, state, val_dice)
+        predictor = SuperModelPredictor(bundle, self.cfg.device)
+
+        routing: dict[str, dict[str, float]] = {}
+        preds: dict[int, Any] = {}
+        for k, site in enumerate(self.sites):
+            pred = predictor.predict(site.test.images)
+            preds[k] = pred
+            chosen = pred.routed_names(names)
+            routing[site.name] = {m: chosen.count(m) / max(len(chosen), 1) for m in ["global", *names]}
+        per_site, client_avg, pooled = self._evaluate(lambda k, x: preds[k].masks)
+
+        # selector accuracy at telling participating sites' held-out images apart
+        held_out_acc: dict[str, float] = {}
+        hits = total = 0
+        for k, site in enumerate(self.sites):
+            images = np.concatenate([site.validation.images, site.test.images])
+            pred = predictor.predict(images) if len(images) else None
+            if pred is None:
+                continue
+            site_probs = pred.probabilities[:, 1:] if method.name == "fedsm-extra" else pred.probabilities
+            correct = int((site_probs.argmax(1) == k).sum())
+            held_out_acc[site.name] = correct / len(images)
+            hits += correct
+            total += len(images)
+        held_out_acc["overall"] = hits / max(total, 1)
+
+        # components: the global model alone and each site's own personalized model (oracle routing)
+        glob = self._evaluate(lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
+        oracle = self._evaluate(
+            lambda k, x: segment_with(self.task, state[f"personal/{names[k]}"], x, self.cfg.device))
+        extra = {
+            "selector_accuracy": held_out_acc,
+            "routing": routing,
+            "gamma": self.cfg.gamma,
+            "lam": self.cfg.lam,
+            "val_dice": val_dice,
+            "components": {"global_only": {"client_average": glob[1], "pooled": glob[2]},
+                           "personal_oracle": {"client_average": oracle[1], "pooled": oracle[2]}},
+            "bundle": bundle,
+        }
+        return per_site, client_avg, pooled, extra
+
+    # --- whole run -----------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Run every configured method and write the report files and super model."""
+        from engine.bundle import save_bundle
+        from engine.report import traffic_summary, write_reports
+
+        started = time.perf_counter()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.load_sites()
+        results: dict[str, MethodResult] = {}
+        bundles: dict[str, Any] = {}
+        for name in [m for m in ALL_METHODS if m in self.cfg.methods]:
+            log.info("method %s: %d rounds over %d sites", name, self.cfg.rounds, len(self.sites))
+            if self.progress:
+                self.progress({"event": "method_start", "method": name})
+            result = self.run_method(name)
+            bundle = result.extra.pop("bundle", None)
+            if bundle is not None:
+                bundles[name] = bundle
+            results[name] = result
+            if self.progress:
+                self.progress({"event": "method_end", "method": name, "client_average": result.client_average,
+                               "wall_s": round(result.wall_s, 2)})
+        supermodel: dict[str, Any] = {}
+        for name, file in (("fedsm", "supermodel.safetensors"), ("fedsm-extra", "supermodel-extra.safetensors")):
+            if name in bundles:
+                path = self.out_dir / file
+                digest = save_bundle(path, bundles[name])
+                supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+        report = {
+            "schema": REPORT_SCHEMA,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "config": {**asdict(self.cfg), "methods": list(self.cfg.methods), "site_names": None},
+            "machine": _machine_info(self.cfg.device),
+            "task": {"name": self.task.name, "label_names": list(self.task.label_names)},
+            "sites": [_site_summary(s) for s in self.sites],
+            "methods": {name: asdict(r) for name, r in results.items()},
+            "supermodel": supermodel,
+            "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
+            "wall_s": round(time.perf_counter() - started, 2),
+        }
+        write_reports(self.out_dir, report)
+        return report
+
+
+def _site_summary(site: Any) -> dict[str, Any]:
+    def split(s: Any) -> dict[str, int]:
+        return {"cases": int(len(np.unique(s.case_ids))), "images": int(len(s.images))}
+
+    return {"name": site.name, "train": split(site.train), "validation": split(site.validation),
+            "test": split(site.test)}
+
+
+def _machine_info(device: str) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    from engine.fl.local_training import Device
+
+    dev = Device.resolve(device)
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": str(dev.torch_device), "mixed_precision": dev.amp,
+            "gpu": torch.cuda.get_device_name(0) if dev.torch_device.type == "cuda" else None}
+
+
+def run_simulation(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None,
+                   cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Run a simulation and return its report (also written to ``out_dir``)."""
+    return Simulation(replace(cfg), out_dir, progress, cancel).run()
+
+
+def report_json(report: dict[str, Any]) -> str:
+    """The report as pretty JSON (NaN written as null)."""
+    return json.dumps(_nan_to_none(report), indent=2, sort_keys=False)
+
+
+def _nan_to_none(obj: Any) -> Any:
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_nan_to_none(v) for v in obj]
+    return obj
