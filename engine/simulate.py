@@ -14,7 +14,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -189,13 +189,13 @@ class Simulation:
         names = [s.name for s in self.sites]
         cfg, training = self.cfg, self.cfg.training()
         if name == "fedprox":
-            return m.FedProx(self.task, names, training, cfg.seed, mu=cfg.prox_mu)
+            return m.FedProx(self.task, names, training, cfg.seed, cfg.rounds, mu=cfg.prox_mu)
         if name == "fedsm":
-            return m.FedSM(self.task, names, training, cfg.seed, lam=cfg.lam, gamma=cfg.gamma)
+            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma)
         if name == "fedsm-extra":
-            return m.FedSMExtra(self.task, names, training, cfg.seed, lam=cfg.lam, gamma=cfg.gamma,
-                                rounds=cfg.rounds, extra_rounds=cfg.extra_rounds)
-        return m.METHODS[name](self.task, names, training, cfg.seed)
+            return m.FedSMExtra(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
+                                extra_rounds=cfg.extra_rounds)
+        return m.METHODS[name](self.task, names, training, cfg.seed, cfg.rounds)
 
     def run_method(self, name: str) -> MethodResult:
         """Train and evaluate one method."""
@@ -207,7 +207,7 @@ class Simulation:
         training = self.cfg.training()
         extra: dict[str, Any] = {}
         if name == "centralized":
-            method = FedAvg(self.task, ["pooled"], training, self.cfg.seed)
+            method = FedAvg(self.task, ["pooled"], training, self.cfg.seed, self.cfg.rounds)
             method.name = "centralized"  # type: ignore[misc]
             state, records = run_rounds(method, [self._pooled_runtime()], self.cfg.rounds,
                                         progress=self.progress, cancel=self.cancel)
@@ -221,8 +221,8 @@ class Simulation:
 
         method = self._build_method(name)
         runtimes = self._runtimes()
-        total_rounds = self.cfg.rounds + (self.cfg.extra_rounds or 0 if name == "fedsm-extra" else 0)
-        state, records = run_rounds(method, runtimes, total_rounds, progress=self.progress, cancel=self.cancel)
+        state, records = run_rounds(method, runtimes, method.total_rounds, progress=self.progress,
+                                    cancel=self.cancel)
         if name == "local":
             models = [rt.state["local_model"] for rt in runtimes]
             per_site, client_avg, pooled = self._evaluate(
@@ -247,7 +247,7 @@ class Simulation:
             site_names=[s.name for s in self.sites], method=method.name,
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
             gamma=float(self.cfg.gamma),
-            rounds=self.cfg.rounds + (self.cfg.extra_rounds or 0 if extra_method else 0),
+            rounds=method.total_rounds,
             val_dice=val_dice, extra={"seed": self.cfg.seed})
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
@@ -343,7 +343,7 @@ class Simulation:
                 supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
         report = {
             "schema": REPORT_SCHEMA,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "config": {**asdict(self.cfg), "methods": list(self.cfg.methods), "site_names": None},
             "machine": _machine_info(self.cfg.device),
             "task": {"name": self.task.name, "label_names": list(self.task.label_names)},
@@ -359,7 +359,7 @@ class Simulation:
 
 def _site_summary(site: Any) -> dict[str, Any]:
     def split(s: Any) -> dict[str, int]:
-        return {"cases": int(len(np.unique(s.case_ids))), "images": int(len(s.images))}
+        return {"cases": len(np.unique(s.case_ids)), "images": len(s.images)}
 
     return {"name": site.name, "train": split(site.train), "validation": split(site.validation),
             "test": split(site.test)}

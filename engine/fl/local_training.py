@@ -28,18 +28,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.data.site_data import SplitArrays
 from engine.errors import CancelledError, ConfigError
 from engine.fl.aggregation import fedprox_penalty
 from engine.fl.weights import Weights, clone_weights
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec
+
+if TYPE_CHECKING:
+    from engine.data.site_data import SplitArrays
 
 ProgressFn = Callable[[dict[str, Any]], None]
 CancelFn = Callable[[], bool]
@@ -75,6 +77,7 @@ class LocalTrainingConfig:
     selector_lr: float = 1e-4
     selector_size: int = 32
     selector_head: str = "gap"
+    selector_optimizer: str = "adam"
     prox_mu: float = 0.0
     device: str = "auto"
 
@@ -149,10 +152,16 @@ def num_local_steps(n: int, cfg: LocalTrainingConfig) -> int:
 class _Learner:
     """One network with its optimizer, loss and (on CUDA) gradient scaler."""
 
-    def __init__(self, net: torch.nn.Module, lr: float, device: Device) -> None:
+    def __init__(self, net: torch.nn.Module, lr: float, device: Device, optimizer: str = "adam") -> None:
         self.net = net.to(device.torch_device)
         self.device = device
-        self.opt = torch.optim.Adam(self.net.parameters(), lr=lr, betas=(0.9, 0.999))
+        self.opt: torch.optim.Optimizer
+        if optimizer == "adam":
+            self.opt = torch.optim.Adam(self.net.parameters(), lr=lr, betas=(0.9, 0.999))
+        elif optimizer == "sgd":
+            self.opt = torch.optim.SGD(self.net.parameters(), lr=lr, momentum=0.9)
+        else:
+            raise ConfigError(f"unknown optimizer {optimizer!r}; use 'adam' or 'sgd'")
         self.scaler = torch.amp.GradScaler("cuda") if device.amp else None
 
     def step(self, loss_fn: Callable[[torch.nn.Module], torch.Tensor],
@@ -197,17 +206,37 @@ def _selector_learner(task: TaskSpec, weights: Mapping[str, torch.Tensor], num_c
     net.load_state_dict(weights)
     net.train()
     freeze_batchnorm_statistics(net)
-    return _Learner(net, cfg.selector_lr, device)
+    return _Learner(net, cfg.selector_lr, device, cfg.selector_optimizer)
 
 
-def freeze_batchnorm_statistics(net: torch.nn.Module) -> None:
-    """Put BatchNorm layers in eval mode: normalise with running statistics, leave them unchanged.
+def freeze_batchnorm_statistics(net: torch.nn.Module, momentum: float = 0.1) -> None:
+    """Make BatchNorm layers normalise with their running statistics while still tracking them.
 
-    The affine parameters still train. See the module docstring for why the selector needs it.
+    Each layer is put in eval mode (running statistics normalise, not the batch's) and a
+    forward pre-hook moves the running mean and variance toward the batch's with
+    ``momentum``. FedAvg then averages the sites' statistics into federation-wide ones. A
+    single-site batch's own statistics would subtract exactly the colour cast and brightness
+    the selector has to see; federation-wide statistics keep them while still scaling the
+    activations for fast training. The affine parameters train as usual.
     """
     for module in net.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             module.eval()
+            module.register_forward_pre_hook(_make_stat_tracker(momentum))
+
+
+def _make_stat_tracker(momentum: float) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...]], None]:
+    def track(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+        x = inputs[0].detach().float()
+        dims = [d for d in range(x.dim()) if d != 1]
+        mean = x.mean(dims)
+        var = x.var(dims, unbiased=True) if x.numel() // x.shape[1] > 1 else torch.zeros_like(mean)
+        with torch.no_grad():
+            module.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)  # type: ignore[union-attr]
+            module.running_var.mul_(1 - momentum).add_(var, alpha=momentum)  # type: ignore[union-attr]
+            module.num_batches_tracked.add_(1)  # type: ignore[union-attr]
+
+    return track
 
 
 def _to_device(array: np.ndarray, idx: np.ndarray, device: Device) -> torch.Tensor:

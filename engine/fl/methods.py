@@ -18,13 +18,12 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
-from engine.data.site_data import SplitArrays
-from engine.errors import ConfigError
+from engine.errors import ConfigError, WeightsError
 from engine.fl.aggregation import check_lam, fedavg, scaffold_server_update, scaffold_site_control, soft_pull
 from engine.fl.local_training import (
     LocalTrainingConfig,
@@ -35,9 +34,20 @@ from engine.fl.local_training import (
     train_segmentation_round,
     train_selector_round,
 )
+from engine.fl.selector_calibration import (
+    STAT_KEYS,
+    add_statistics,
+    calibrated_selector,
+    class_statistics,
+    final_layer_keys,
+    penultimate_features,
+)
 from engine.fl.weights import Weights, check_compatible, model_weights, subtract
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec
+
+if TYPE_CHECKING:
+    from engine.data.site_data import SplitArrays
 
 #: Server state and payloads: part name -> weight dict.
 WeightSet = dict[str, Weights]
@@ -91,6 +101,8 @@ class FederatedMethod(ABC):
         Local training hyper-parameters.
     seed
         Base seed; every site and round derives its own from it.
+    rounds
+        Training rounds (methods with extra phases add rounds; see :attr:`total_rounds`).
     """
 
     name: ClassVar[str]
@@ -98,7 +110,9 @@ class FederatedMethod(ABC):
     uses_selector: ClassVar[bool] = False
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0) -> None:
+                 seed: int = 0, rounds: int = 1) -> None:
+        if rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {rounds}")
         if len(site_names) < 1:
             raise ConfigError("a federation needs at least one site")
         if len(set(site_names)) != len(site_names):
@@ -107,6 +121,12 @@ class FederatedMethod(ABC):
         self.site_names = list(site_names)
         self.training = training
         self.seed = seed
+        self.rounds = rounds
+
+    @property
+    def total_rounds(self) -> int:
+        """Communication rounds the method runs (training rounds plus any extra phases)."""
+        return self.rounds
 
     # --- helpers ---------------------------------------------------------------------------
     def _initial_segmentation(self) -> Weights:
@@ -192,8 +212,8 @@ class FedProx(FedAvg):
     name = "fedprox"
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, mu: float = 0.01) -> None:
-        super().__init__(task, site_names, training, seed)
+                 seed: int = 0, rounds: int = 1, mu: float = 0.01) -> None:
+        super().__init__(task, site_names, training, seed, rounds)
         if mu < 0:
             raise ConfigError(f"FedProx mu must be >= 0, got {mu}")
         self.mu = mu
@@ -293,6 +313,10 @@ class LocalOnly(FederatedMethod):
 class FedSM(FederatedMethod):
     """FedSM (Xu et al., CVPR 2022): global model, SoftPull personalized models, model selector.
 
+    Rounds ``1..rounds`` are the paper's Algorithm 1. One more round calibrates the selector's
+    last layer from the sites' feature statistics (:mod:`engine.fl.selector_calibration`):
+    without it the single-label selector does not route.
+
     Parameters
     ----------
     lam
@@ -306,8 +330,8 @@ class FedSM(FederatedMethod):
     uses_selector = True
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, lam: float = 0.7, gamma: float = 0.6) -> None:
-        super().__init__(task, site_names, training, seed)
+                 seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6) -> None:
+        super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
         if not 0.0 <= gamma <= 1.0:
             raise ConfigError(f"gamma={gamma} must lie in [0, 1]")
@@ -318,6 +342,14 @@ class FedSM(FederatedMethod):
     def num_selector_classes(self) -> int:
         return len(self.site_names)
 
+    @property
+    def total_rounds(self) -> int:
+        return self.rounds + 1
+
+    def phase(self, rnd: int) -> str:
+        """``"train"`` (Algorithm 1) or ``"calibrate"`` (selector statistics, last round)."""
+        return "calibrate" if rnd == self.total_rounds else "train"
+
     def initial_state(self) -> WeightSet:
         init = self._initial_segmentation()
         state: WeightSet = {"global": init, "selector": self._initial_selector(self.num_selector_classes)}
@@ -325,13 +357,35 @@ class FedSM(FederatedMethod):
         return state
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        if self.phase(rnd) == "calibrate":
+            return SiteInstructions(rnd, {"selector": state["selector"]}, {"phase": "calibrate"})
         return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"],
-                                      "selector": state["selector"]})
+                                      "selector": state["selector"]}, {"phase": "train"})
+
+    def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
+        parts = set(update.weights)
+        if parts == {"selector_stats"}:
+            check_statistics(update.weights["selector_stats"], self.num_selector_classes,
+                             f"selector statistics from {site}")
+        else:
+            super().validate_update(state, site, update)
 
     def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
         return {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
 
+    def _calibrate(self, state: WeightSet, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        new = dict(state)
+        stats = add_statistics([u.weights["selector_stats"] for u in updates.values()])
+        weight_key, bias_key = final_layer_keys(self._selector_template())
+        new["selector"] = calibrated_selector(state["selector"], stats, weight_key, bias_key)
+        return new
+
+    def _selector_template(self) -> Any:
+        return build_selector(self.task.in_channels, self.num_selector_classes, self.training.selector_head)  # type: ignore[arg-type]
+
     def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        if self.phase(rnd) == "calibrate":
+            return self._calibrate(state, updates)
         new = dict(state)
         new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
         new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
@@ -340,8 +394,16 @@ class FedSM(FederatedMethod):
             new[f"personal/{site}"] = weights
         return new
 
+    def _statistics_update(self, instructions: SiteInstructions, site: SiteRuntime,
+                           labels: np.ndarray) -> SiteUpdate:
+        stats = selector_statistics(self.task, instructions.weights["selector"], self.num_selector_classes,
+                                    site.train.images, labels, self.training)
+        return SiteUpdate({"selector_stats": stats}, len(site.train.images), {})
+
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        if self.phase(instructions.round) == "calibrate":
+            return self._statistics_update(instructions, site, np.full(len(site.train.images), site.index))
         ctx = self._context(instructions.round, site, progress, cancel)
         w = instructions.weights
         glob, pers, sel, metrics = train_fedsm_round(
@@ -356,42 +418,50 @@ class FedSMExtra(FedSM):
     Rounds ``1..rounds`` train the global and personalized models (FedAvg + SoftPull).
     Rounds ``rounds+1..rounds+extra_rounds`` train only the selector, with label = index of the
     model (0 = global, k = site k's personalized model) whose prediction has the lowest Dice
-    loss against the ground truth; inference takes the argmax over K+1. Extra rounds send every
-    site all K+1 segmentation models so it can compute those labels (the method's price).
+    loss against the ground truth; a last round calibrates the selector's last layer with the
+    same labels. Inference takes the argmax over K+1. Selector rounds send every site all K+1
+    segmentation models so it can compute those labels (the method's price).
     """
 
     name = "fedsm-extra"
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, lam: float = 0.7, gamma: float = 0.6, rounds: int = 1,
+                 seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
                  extra_rounds: int = 1) -> None:
-        super().__init__(task, site_names, training, seed, lam, gamma)
-        if rounds < 1 or extra_rounds < 1:
-            raise ConfigError(f"FedSM-extra needs rounds >= 1 and extra_rounds >= 1, got {rounds}, {extra_rounds}")
-        self.rounds = rounds
+        super().__init__(task, site_names, training, seed, rounds, lam, gamma)
+        if extra_rounds < 1:
+            raise ConfigError(f"FedSM-extra needs extra_rounds >= 1, got {extra_rounds}")
         self.extra_rounds = extra_rounds
 
     @property
     def num_selector_classes(self) -> int:
         return len(self.site_names) + 1
 
-    def _is_extra(self, rnd: int) -> bool:
-        return rnd > self.rounds
+    @property
+    def total_rounds(self) -> int:
+        return self.rounds + self.extra_rounds + 1
+
+    def phase(self, rnd: int) -> str:
+        """``"train"``, ``"selector"`` (extra rounds) or ``"calibrate"`` (last round)."""
+        if rnd == self.total_rounds:
+            return "calibrate"
+        return "selector" if rnd > self.rounds else "train"
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        if not self._is_extra(rnd):
-            return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"]})
+        phase = self.phase(rnd)
+        if phase == "train":
+            return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"]},
+                                    {"phase": phase})
         weights = {"selector": state["selector"], "global": state["global"]}
         weights |= {f"personal/{s}": state[f"personal/{s}"] for s in self.site_names}
-        return SiteInstructions(rnd, weights, {"phase": "selector"})
-
-    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        # the phase is not known here; both shapes are checked by aggregate's caller via parts
-        return {}
+        return SiteInstructions(rnd, weights, {"phase": phase})
 
     def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
         parts = set(update.weights)
-        if parts == {"selector"}:
+        if parts == {"selector_stats"}:
+            check_statistics(update.weights["selector_stats"], self.num_selector_classes,
+                             f"selector statistics from {site}")
+        elif parts == {"selector"}:
             check_compatible(state["selector"], update.weights["selector"], f"selector update from {site}")
         elif parts == {"global", "personal"}:
             check_compatible(state["global"], update.weights["global"], f"global update from {site}")
@@ -402,8 +472,11 @@ class FedSMExtra(FedSM):
             raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
 
     def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        phase = self.phase(rnd)
+        if phase == "calibrate":
+            return self._calibrate(state, updates)
         new = dict(state)
-        if self._is_extra(rnd):
+        if phase == "selector":
             new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
             return new
         new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
@@ -417,7 +490,8 @@ class FedSMExtra(FedSM):
         w = instructions.weights
         seed = self._site_seed(instructions.round, site)
         n = len(site.train.images)
-        if not self._is_extra(instructions.round):
+        phase = self.phase(instructions.round)
+        if phase == "train":
             glob, m1 = train_segmentation_round(self.task, w["global"], site.train, self.training, seed, ctx)
             pers, m2 = train_segmentation_round(self.task, w["personal"], site.train, self.training,
                                                 derived_seed(seed, "personal"), ctx)
@@ -425,11 +499,43 @@ class FedSMExtra(FedSM):
                               {"loss_global": m1["loss"], "loss_personal": m2["loss"]})
         labels = best_model_labels(self.task, w["global"], [w[f"personal/{s}"] for s in self.site_names],
                                    site.train, self.training, ctx)
+        if phase == "calibrate":
+            return self._statistics_update(instructions, site, labels)
         sel, metrics = train_selector_round(self.task, w["selector"], labels, self.num_selector_classes,
                                             site.train, self.training, seed, ctx)
         counts = np.bincount(labels, minlength=self.num_selector_classes)
         metrics |= {f"label_share_{i}": float(c) / max(n, 1) for i, c in enumerate(counts)}
         return SiteUpdate({"selector": sel}, n, metrics)
+
+
+def check_statistics(stats: Mapping[str, torch.Tensor], num_classes: int, what: str) -> None:
+    """Reject selector statistics with wrong keys, shapes or non-finite values."""
+    if set(stats) != set(STAT_KEYS):
+        raise WeightsError(f"{what}: keys {sorted(stats)}, expected {list(STAT_KEYS)}")
+    count, sums, outer = stats["count"], stats["sum"], stats["outer"]
+    dim = outer.shape[0] if outer.dim() == 2 else -1
+    if (tuple(count.shape) != (num_classes,) or sums.dim() != 2 or tuple(sums.shape) != (num_classes, dim)
+            or tuple(outer.shape) != (dim, dim)):
+        raise WeightsError(f"{what}: shapes count {tuple(count.shape)}, sum {tuple(sums.shape)}, "
+                           f"outer {tuple(outer.shape)} do not fit {num_classes} classes")
+    for key in STAT_KEYS:
+        if not bool(torch.isfinite(stats[key]).all()):
+            raise WeightsError(f"{what}: {key} contains NaN or Inf")
+    if bool((count < 0).any()):
+        raise WeightsError(f"{what}: negative sample counts")
+
+
+def selector_statistics(task: TaskSpec, selector_weights: Mapping[str, torch.Tensor], num_classes: int,
+                        images: np.ndarray, labels: np.ndarray, training: LocalTrainingConfig) -> Weights:
+    """Site half of the calibration round: feature statistics of the site's training images."""
+    from engine.fl.local_training import Device, selector_inputs
+
+    device = Device.resolve(training.device)
+    net = build_selector(task.in_channels, num_classes, training.selector_head)  # type: ignore[arg-type]
+    net.load_state_dict(selector_weights)
+    net.to(device.torch_device)
+    small = torch.from_numpy(selector_inputs(images, training.selector_size)).to(device.torch_device)
+    return class_statistics(penultimate_features(net, small), labels, num_classes)
 
 
 METHODS: dict[str, type[FederatedMethod]] = {
