@@ -56,7 +56,6 @@ class SimulationConfig:
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
-    site_names: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         get_task(self.task)
@@ -344,7 +343,7 @@ class Simulation:
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "config": {**asdict(self.cfg), "methods": list(self.cfg.methods), "site_names": None},
+            "config": {**asdict(self.cfg), "methods": list(self.cfg.methods)},
             "machine": _machine_info(self.cfg.device),
             "task": {"name": self.task.name, "label_names": list(self.task.label_names)},
             "sites": [_site_summary(s) for s in self.sites],

@@ -1,0 +1,54 @@
+"""End to end through the command line: simulate, then infer with the written super model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.cli.main import main
+
+
+@pytest.mark.slow
+def test_simulate_then_infer(tmp_path):
+    out = tmp_path / "run"
+    code = main(["simulate", "--task", "fundus", "--sites", "2", "--rounds", "1", "--image-size", "32",
+                 "--methods", "fedavg,fedsm", "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"] == "fedsm-simulation-report/1"
+    assert set(report["methods"]) == {"fedavg", "fedsm"}
+    assert set(report["methods"]["fedsm"]["dice"]) == {"site1", "site2"}
+    assert 0.0 <= report["methods"]["fedsm"]["client_average"]["disc"] <= 1.0
+    assert report["traffic"]["fedsm"]["sent_per_site_round"] > report["traffic"]["fedavg"]["sent_per_site_round"]
+    assert (out / "report.md").read_text().count("| FedSM |") >= 1
+    assert (out / "supermodel.safetensors").stat().st_size > 0
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert {"batch", "round_end", "method_end"} <= {e["event"] for e in events}
+
+    test_image = sorted((out / "data" / "site1" / "images").glob("*.png"))[0]
+    masks = tmp_path / "masks"
+    assert main(["infer", "--model", str(out / "supermodel.safetensors"), "--input", str(test_image),
+                 "--out", str(masks), "--device", "cpu"]) == 0
+    assert (masks / f"{test_image.stem}_mask.png").exists()
+    routing = json.loads((masks / "routing.json").read_text())
+    assert routing["inputs"]
+
+
+def test_infer_with_foreign_file_is_one_clear_line(tmp_path):
+    bogus = tmp_path / "model.safetensors"
+    bogus.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not really")
+    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "infer", "--model", str(bogus),
+                           "--input", str(image), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert str(bogus) in proc.stderr
+
+
+def test_unknown_method_is_a_clear_error(tmp_path, capsys):
+    code = main(["simulate", "--task", "fundus", "--methods", "fedmagic", "--out", str(tmp_path)])
+    assert code == 2
+    assert "fedmagic" in capsys.readouterr().err
