@@ -49,7 +49,7 @@ class SimulationConfig:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-4
+    selector_lr: float = 1e-5
     selector_size: int = 32
     selector_head: str = "gap"
     prox_mu: float = 0.01
@@ -67,7 +67,12 @@ class SimulationConfig:
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
         if self.lam is None:
-            self.lam = DEFAULT_LAM[self.task]
+            # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
+            self.lam = max(DEFAULT_LAM[self.task], 1.0 / self.sites)
+        if {"fedsm", "fedsm-extra"} & set(self.methods):
+            from engine.fl.aggregation import check_lam
+
+            check_lam(self.lam, self.sites)
         if self.extra_rounds is None:
             self.extra_rounds = self.rounds
 

@@ -22,6 +22,8 @@ def test_simulate_then_infer(tmp_path):
     assert 0.0 <= report["methods"]["fedsm"]["client_average"]["disc"] <= 1.0
     assert report["traffic"]["fedsm"]["sent_per_site_round"] > report["traffic"]["fedavg"]["sent_per_site_round"]
     assert (out / "report.md").read_text().count("| FedSM |") >= 1
+    # the selector must route: held-out images of participating sites told apart
+    assert report["methods"]["fedsm"]["extra"]["selector_accuracy"]["overall"] >= 0.95
     assert (out / "supermodel.safetensors").stat().st_size > 0
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert {"batch", "round_end", "method_end"} <= {e["event"] for e in events}

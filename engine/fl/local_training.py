@@ -19,8 +19,9 @@ Choices that matter:
   statistics during local training instead of the single-site batch statistics (batch
   statistics of one site would subtract exactly the site's colour cast the selector must
   see, and make local training and inference disagree), and the selector's step size is
-  smaller than the U-Nets' so a round's local drift stays small relative to what FedAvg
-  averages.
+  100x smaller than the U-Nets' so single-label updates do not erode the backbone's site
+  features; the last layer is then calibrated in closed form
+  (:mod:`engine.fl.selector_calibration`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class LocalTrainingConfig:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-4
+    selector_lr: float = 1e-5
     selector_size: int = 32
     selector_head: str = "gap"
     selector_optimizer: str = "adam"
@@ -353,9 +354,9 @@ def train_fedsm_round(
         xs = _to_device(small, idx, device)
         label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
         losses = {
-            "global": glob.step(lambda net: dice(net(x), y)),
-            "personal": pers.step(lambda net: dice(net(x), y)),
-            "selector": sel.step(lambda net: F.cross_entropy(net(xs), label)),
+            "global": glob.step(lambda net, x=x, y=y: dice(net(x), y)),
+            "personal": pers.step(lambda net, x=x, y=y: dice(net(x), y)),
+            "selector": sel.step(lambda net, xs=xs, label=label: F.cross_entropy(net(xs), label)),
         }
         for k, v in losses.items():
             sums[k] += v
@@ -388,7 +389,7 @@ def train_selector_round(
         ctx.check_cancel()
         xs = _to_device(small, idx, device)
         y = targets[idx].to(device.torch_device)
-        loss = sel.step(lambda net: F.cross_entropy(net(xs), y))
+        loss = sel.step(lambda net, xs=xs, y=y: F.cross_entropy(net(xs), y))
         total += loss
         ctx.report(i, len(batches), {"selector": loss})
     return clone_weights(sel.net.state_dict()), {"loss_selector": total / max(len(batches), 1),

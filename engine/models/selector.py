@@ -8,6 +8,7 @@ backbone at a few percent of the traffic. The classic head stays available for c
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Literal
 
 import torch
@@ -104,4 +105,4 @@ def head_parameter_count(head: SelectorHead, num_classes: int) -> int:
         dims = [512 * 7 * 7, 4096, 4096, num_classes]
     else:
         raise ValueError(f"unknown selector head {head!r}")
-    return sum(a * b + b for a, b in zip(dims[:-1], dims[1:], strict=True))
+    return sum(a * b + b for a, b in pairwise(dims))

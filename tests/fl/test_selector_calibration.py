@@ -29,7 +29,8 @@ def test_statistics_of_sites_add_up_to_pooled_statistics():
     a, b = rng.normal(size=(10, 4)), rng.normal(size=(7, 4))
     la, lb = rng.integers(0, 2, 10), rng.integers(0, 2, 7)
     pooled = class_statistics(torch.from_numpy(np.concatenate([a, b])), np.concatenate([la, lb]), 2)
-    summed = add_statistics([class_statistics(torch.from_numpy(a), la, 2), class_statistics(torch.from_numpy(b), lb, 2)])
+    summed = add_statistics([class_statistics(torch.from_numpy(a), la, 2),
+                             class_statistics(torch.from_numpy(b), lb, 2)])
     for key in pooled:
         assert torch.allclose(pooled[key], summed[key])
 
