@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lam", type=float, default=None, help="SoftPull lambda (default 0.7 fundus, 0.3 prostate; at least 1/K)")
+    p.add_argument("--lam", type=float, default=None,
+                   help="SoftPull lambda (default 0.7 fundus, 0.3 prostate; at least 1/K)")
     p.add_argument("--gamma", type=float, default=0.6, help="routing threshold (strict >)")
     p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
     p.add_argument("--batch-size", type=int, default=8)
