@@ -106,8 +106,6 @@ class FederatedMethod(ABC):
     """
 
     name: ClassVar[str]
-    #: Parts of the server state that :meth:`aggregate` replaces each round.
-    uses_selector: ClassVar[bool] = False
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1) -> None:
@@ -327,7 +325,6 @@ class FedSM(FederatedMethod):
     """
 
     name = "fedsm"
-    uses_selector = True
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6) -> None:

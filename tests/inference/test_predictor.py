@@ -21,16 +21,6 @@ from engine.models import build_segmentation_net, build_selector
 SITES = ["alpha", "beta"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # 32-pixel networks gain nothing from threads, and OpenMP threads spinning against other
-    # processes on a small shared machine make each forward pass up to 100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_bundle(method: str = "fedsm", gamma: float = 0.5) -> SuperModelBundle:
     torch.manual_seed(0)
     routing = "argmax" if method == "fedsm-extra" else "gamma"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import nibabel as nib
@@ -21,16 +20,6 @@ from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec, get_task
 
 SITES = ["north", "south"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_thread() -> Iterator[None]:
-    # 32-pixel networks gain nothing from threads, and OpenMP threads spinning against other
-    # processes on a small shared machine make each forward pass up to 100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def write_bundle(path: Path, task_name: str, method: str = "fedsm") -> Path:
