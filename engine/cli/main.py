@@ -1,4 +1,8 @@
-"""``fedsm`` command line: synth, simulate, infer.
+"""``fedsm`` command line: synth, simulate, infer, plus the commands registered by sibling modules.
+
+Commands that live in their own module (``validate-data``, ``server``/``site``/``certs``/``enroll``,
+``bench``) expose ``register(subparsers)``, which adds their parsers and sets ``handler`` (a
+function ``(args) -> int``) as a parser default.
 
 Every expected failure is an :class:`engine.errors.FedSMError` and ends as one line on stderr
 and exit status 2; a traceback means a bug.
@@ -7,6 +11,7 @@ and exit status 2; a traceback means a bug.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -15,6 +20,9 @@ from engine import api
 from engine.errors import CancelledError, FedSMError
 
 log = logging.getLogger("engine.cli")
+
+#: Modules whose ``register(subparsers)`` adds more commands; imported only to build the parser.
+COMMAND_MODULES = ("engine.cli.data_commands", "engine.cli.federation_commands", "engine.cli.bench_command")
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -62,10 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--gamma", type=float, default=None, help="routing threshold (default: the bundle's)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
     return parser
 
 
-def _setup_logging(verbose: bool, log_file: Path | None = None) -> None:
+def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
     root = logging.getLogger()
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     console = logging.StreamHandler(sys.stderr)
@@ -80,8 +91,11 @@ def _setup_logging(verbose: bool, log_file: Path | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    handler = getattr(args, "handler", None)
+    if handler is not None:
+        return int(handler(args))
     if args.command == "synth":
-        _setup_logging(args.verbose)
+        setup_logging(args.verbose)
         paths = api.synthesize(args.task, args.sites, args.out, image_size=args.image_size, seed=args.seed)
         for p in paths:
             print(p)
@@ -89,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         from engine.cli.progress import TerminalProgress
 
-        _setup_logging(args.verbose, args.out / "simulate.log")
+        setup_logging(args.verbose, args.out / "simulate.log")
         progress = TerminalProgress(args.out / "events.jsonl")
         try:
             report = api.simulate(
@@ -106,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
               + (f", {args.out / 'supermodel.safetensors'}" if "fedsm" in report["supermodel"] else ""))
         return 0
     if args.command == "infer":
-        _setup_logging(args.verbose)
+        setup_logging(args.verbose)
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
