@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import (
     BundleError,
@@ -19,6 +19,11 @@ from engine.errors import (
     WeightsError,
 )
 
+if TYPE_CHECKING:  # types only: importing them at run time would pull in numpy-heavy modules
+    from engine.inference.study import StudySegmentation
+    from engine.io.provenance import Provenance
+    from engine.io.study import LabelMap, Study
+
 ProgressFn = Callable[[dict[str, Any]], None]
 
 __all__ = [
@@ -29,8 +34,14 @@ __all__ = [
     "DeviceError",
     "FedSMError",
     "WeightsError",
+    "demo_site_command",
+    "describe_device",
+    "export_mask",
     "infer",
+    "prepare_demo",
     "read_bundle_metadata",
+    "read_provenance",
+    "segment_study",
     "simulate",
     "synthesize",
 ]
@@ -68,3 +79,50 @@ def read_bundle_metadata(path: Path) -> dict[str, Any]:
     from engine.bundle import load_bundle
 
     return json.loads(load_bundle(Path(path)).metadata.to_json())
+
+
+def demo_site_command(workdir: Path, site: str = "site1", rounds: int = 3) -> list[str]:
+    """Command line of a simulated site (``python -m engine.federation.demo_site``) for the app's Join."""
+    from engine.federation.demo_site import demo_site_command as command
+
+    return command(Path(workdir), site=site, rounds=rounds)
+
+
+def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,
+                 **settings: Any) -> dict[str, Any]:
+    """The app's demo (super model, study, reference mask), trained on first use and cached; see ``engine.demo``."""
+    from engine.demo import prepare_demo as prepare
+
+    return prepare(Path(cache_dir), progress, cancel, **settings)
+
+
+def segment_study(model: Path, study: Study, gamma: float | None = None, device: str = "auto",
+                  force_model: str | int | None = None, batch_size: int = 16,
+                  progress: Callable[[int, int], None] | None = None,
+                  cancel: Callable[[], bool] | None = None) -> StudySegmentation:
+    """Segment an opened study with a super model (cached per bundle and device); see ``engine.inference.study``."""
+    from engine.inference.study import segment_study as segment
+
+    return segment(Path(model), study, gamma=gamma, device=device, force_model=force_model,
+                   batch_size=batch_size, progress=progress, cancel=cancel)
+
+
+def export_mask(study: Study, labels: LabelMap, out_path: Path, provenance: Provenance | None = None) -> Path:
+    """Write a mask as NIfTI, PNG or DICOM SEG (by suffix) with its provenance; see ``engine.io.export``."""
+    from engine.io.export import export_mask as export
+
+    return export(study, labels, Path(out_path), provenance)
+
+
+def read_provenance(path: Path) -> Provenance:
+    """The provenance record of a mask FedSM exported (or of its ``.provenance.json`` sidecar)."""
+    from engine.io.export import read_provenance as read
+
+    return read(Path(path))
+
+
+def describe_device(device: str = "auto") -> dict[str, Any]:
+    """Which device inference would use and why, e.g. ``{"device": "cpu", "reason": "CUDA not available: ..."}``."""
+    from engine.inference.device import describe_device as describe
+
+    return describe(device)

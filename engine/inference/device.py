@@ -56,3 +56,45 @@ def resolve_device(name: str = "auto") -> tuple[torch.device, bool]:
             )
         return torch.device(key), True
     raise ConfigError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)}")
+
+
+def describe_device(name: str = "auto") -> dict[str, object]:
+    """Which device inference would use for ``name``, and why, without loading any model.
+
+    Returns
+    -------
+    dict
+        ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:1"``; ``None`` when the request cannot be
+        met), ``requested``, ``available``, ``mixed_precision``, ``name`` (GPU model or
+        ``"CPU"``), ``cuda_available``, ``gpus`` (names of the visible CUDA GPUs) and ``reason``,
+        one sentence for the user, e.g. ``{"device": "cpu", "reason": "CUDA not available: this
+        PyTorch build has no CUDA support"}``.
+
+    Raises
+    ------
+    ConfigError
+        When the name is not one of :data:`DEVICE_CHOICES`.
+    """
+    cuda = bool(torch.cuda.is_available())
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    if cuda:
+        why_no_cuda = ""
+    elif torch.version.cuda is None:
+        why_no_cuda = "this PyTorch build has no CUDA support (CPU-only build)"
+    else:
+        why_no_cuda = f"PyTorch is built for CUDA {torch.version.cuda} but sees no GPU (driver or CUDA_VISIBLE_DEVICES)"
+    info: dict[str, object] = {"requested": name, "cuda_available": cuda, "gpus": gpus}
+    try:
+        device, amp = resolve_device(name)
+    except DeviceError as exc:
+        return {**info, "device": None, "available": False, "mixed_precision": False, "name": None,
+                "reason": str(exc)}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpu = torch.cuda.get_device_name(index)
+        how = "the first visible CUDA GPU" if str(name).strip().lower() == "auto" else "requested"
+        reason = f"{gpu} ({how}); fp16 autocast on"
+    else:
+        gpu = "CPU"
+        reason = "CPU requested" if str(name).strip().lower() == "cpu" else f"CUDA not available: {why_no_cuda}"
+    return {**info, "device": str(device), "available": True, "mixed_precision": amp, "name": gpu, "reason": reason}

@@ -1,0 +1,217 @@
+"""A simulated site for the desktop app's federation panel and its tests.
+
+``python -m engine.federation.demo_site --workdir W --site site1 --rounds 3 --image-size 32``
+runs a real FedSM federation of ``K`` small synthetic sites in this one process (the in-process
+transport, :func:`engine.federation.inprocess.run_rounds`, with the same method code the network
+federation runs) and prints, one JSON object per line on stdout, the events the named site would
+print as ``fedsm site --json``::
+
+    status, connected, round_start, received, batch..., metrics, sent, round_end, ..., finished
+
+``received`` and ``sent`` carry the raw tensor bytes of the real payloads and what they held
+(tensor groups and counts, the sample count, metric names). ``metrics`` reports the round's
+mean training losses and validation Dice of three models on the site's validation split: the
+global and personalized models the site received this round, and ``local``, the site's own
+personalized model after this round's local training (before SoftPull). Dice is shown to the
+operator only; it is not part of what the site sends.
+
+SIGTERM or SIGINT stop the run at the next batch: the site reports ``disconnected`` and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from engine.errors import CancelledError, FedSMError
+
+log = logging.getLogger(__name__)
+
+def stdout_events(site: str, stream: IO[str] | None = None) -> Callable[[dict[str, Any]], None]:
+    """``emit(event)`` writing site events as JSON lines (the format of ``fedsm site --json``)."""
+    from engine.federation.events import EventWriter
+
+    writer = EventWriter("site", site, stream=stream or sys.stdout)
+
+    def emit(event: dict[str, Any]) -> None:
+        fields = dict(event)
+        writer.emit(fields.pop("event"), **fields)
+
+    return emit
+
+
+def _tensor_counts(weights: dict[str, Any]) -> dict[str, int]:
+    return {group: len(tensors) for group, tensors in weights.items()}
+
+
+class ObservedSite:
+    """Wraps a :class:`~engine.fl.methods.FederatedMethod` to report one site's traffic and metrics.
+
+    Every call is delegated unchanged; for the watched site the wrapper also emits ``received``
+    (from the instructions' tensors), forwards its ``batch`` events, and after local training
+    emits ``metrics`` and ``sent`` (from the update's tensors).
+    """
+
+    def __init__(self, method: Any, site: Any, emit: Callable[[dict[str, Any]], None],
+                 evaluate: Callable[[dict[str, Any], Any], dict[str, float]]) -> None:
+        self._method = method
+        self._site = site
+        self._emit = emit
+        self._evaluate = evaluate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._method, name)
+
+    def site_instructions(self, state: Any, rnd: int, site: str) -> Any:
+        from engine.federation.inprocess import weightset_bytes
+
+        instructions = self._method.site_instructions(state, rnd, site)
+        if site == self._site.name:
+            self._emit({"event": "received", "round": rnd, "rounds": self._method.total_rounds,
+                        "method": self._method.name, "bytes": weightset_bytes(instructions.weights),
+                        "contents": _tensor_counts(instructions.weights)})
+        return instructions
+
+    def train_at_site(self, instructions: Any, site: Any, progress: Any = None, cancel: Any = None) -> Any:
+        from engine.federation.inprocess import weightset_bytes
+
+        if site.name != self._site.name:
+            return self._method.train_at_site(instructions, site, None, cancel)
+
+        def relay(event: dict[str, Any]) -> None:
+            if event.get("event") == "batch":
+                self._emit({"event": "batch", "round": event["round"], "batch": event["batch"],
+                            "batches": event["batches"], "loss": event.get("loss", {}),
+                            "method": event.get("method", self._method.name)})
+
+        update = self._method.train_at_site(instructions, site, relay, cancel)
+        rnd = instructions.round
+        losses = {k.removeprefix("loss_"): float(v) for k, v in update.metrics.items() if k.startswith("loss")}
+        dice = self._evaluate(instructions.weights, update)
+        if losses or dice:
+            self._emit({"event": "metrics", "round": rnd, "loss": losses, "dice": dice})
+        self._emit({"event": "sent", "round": rnd, "bytes": weightset_bytes(update.weights),
+                    "contents": {"tensors": _tensor_counts(update.weights), "num_examples": update.num_samples,
+                                 "metrics": sorted(update.metrics)}})
+        return update
+
+
+def _validation_dice(task: Any, validation: Any) -> Callable[[dict[str, Any], Any], dict[str, float]]:
+    """Dice of the received global/personalized and the locally trained model on ``validation``."""
+    from engine.fl.evaluation import dice_per_case, segment_with
+
+    def dice_of(weights: Any) -> float:
+        masks = segment_with(task, weights, validation.images, device="cpu")
+        return round(float(dice_per_case(masks, validation.masks, validation.case_ids).mean()), 4)
+
+    def evaluate(received: dict[str, Any], update: Any) -> dict[str, float]:
+        if not len(validation.images) or "global" not in received:
+            return {}
+        out = {"global": dice_of(received["global"])}
+        if "personal" in received:
+            out["personalized"] = dice_of(received["personal"])
+        local = update.weights.get("personal", update.weights.get("global"))
+        if local is not None:
+            out["local"] = dice_of(local)
+        return out
+
+    return evaluate
+
+
+def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_size: int = 32, sites: int = 3,
+                  task: str = "fundus", epochs: int = 1, seed: int = 0,
+                  emit: Callable[[dict[str, Any]], None] | None = None,
+                  cancel: Callable[[], bool] | None = None) -> int:
+    """Run the simulated federation and report ``site``'s events; return the process exit code."""
+    from engine.data.site_data import load_site
+    from engine.data.synth import existing_federation, generate_federation
+    from engine.federation.inprocess import run_rounds
+    from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.methods import FedSM, SiteRuntime
+    from engine.tasks import get_task
+
+    emit = emit or stdout_events(site)
+    spec = get_task(task)
+    data_dir = Path(workdir) / "data"
+    emit({"event": "status", "message": f"preparing {sites} synthetic {task} sites in {data_dir}"})
+    datalists = existing_federation(data_dir, task, sites, image_size, seed)
+    if datalists is None:
+        datalists = generate_federation(task, sites, data_dir, image_size=image_size, seed=seed)
+    loaded = [load_site(p, spec, image_size) for p in datalists]
+    names = [s.name for s in loaded]
+    if site not in names:
+        raise FedSMError(f"site {site!r} is not in the demo federation; choose one of {', '.join(names)}")
+    runtimes = [SiteRuntime(s.name, i, s.train) for i, s in enumerate(loaded)]
+    watched = runtimes[names.index(site)]
+    training = LocalTrainingConfig(epochs=epochs, batch_size=8, device="cpu")
+    method = FedSM(spec, names, training, seed, rounds, lam=max(0.7, 1.0 / len(names)), gamma=0.6)
+    observed = ObservedSite(method, watched, emit, _validation_dice(spec, loaded[names.index(site)].validation))
+    emit({"event": "connected", "coordinator": f"in-process demo federation ({len(names)} sites)"})
+
+    def relay(event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "round_start":
+            emit({"event": "round_start", "round": event["round"], "rounds": event["rounds"],
+                  "method": event["method"]})
+        elif kind == "round_end":
+            emit({"event": "round_end", "round": event["round"], "rounds": event["rounds"],
+                  "wall_s": event["wall_s"]})
+        elif kind == "error" and event.get("site") in (None, site):
+            emit({"event": "error", "message": event.get("message", ""), "round": event.get("round")})
+
+    try:
+        run_rounds(observed, runtimes, method.total_rounds, progress=relay, cancel=cancel)  # type: ignore[arg-type]
+    except CancelledError:
+        emit({"event": "disconnected", "reason": "stopped by the operator", "reconnecting": False})
+        return 0
+    emit({"event": "finished", "rounds": method.total_rounds})
+    return 0
+
+
+def demo_site_command(workdir: Path, site: str = "site1", rounds: int = 3, image_size: int = 32) -> list[str]:
+    """The command line that runs this module as a site process (for QProcess)."""
+    return [sys.executable, "-m", "engine.federation.demo_site", "--workdir", str(Path(workdir).absolute()),
+            "--site", site, "--rounds", str(int(rounds)), "--image-size", str(int(image_size))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.federation.demo_site", description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", type=Path, required=True, help="folder for the synthetic data (reused)")
+    parser.add_argument("--site", default="site1", help="the site whose events are printed (default site1)")
+    parser.add_argument("--rounds", type=int, default=3, help="FedSM training rounds (one calibration round follows)")
+    parser.add_argument("--image-size", type=int, default=32, help="image side in pixels (multiple of 16)")
+    parser.add_argument("--sites", type=int, default=3, help="sites in the federation (2..12)")
+    parser.add_argument("--task", default="fundus", choices=("fundus", "prostate"))
+    parser.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stays out of the way)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+
+    stop = {"requested": False}
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    emit = stdout_events(args.site)
+    try:
+        return run_demo_site(args.workdir, args.site, args.rounds, args.image_size, args.sites, args.task,
+                             args.epochs, args.seed, emit, cancel=lambda: stop["requested"])
+    except FedSMError as exc:
+        emit({"event": "error", "message": str(exc)})
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,225 @@
+"""The FedSM ClientApp: a thin shim from Flower messages to the installed engine.
+
+A ``train`` message is decoded (:mod:`engine.federation.flower.records`), the method is built
+from the coordinator's spec exactly as ``fedsm simulate`` builds it
+(:func:`engine.federation.spec.build_method`), and the method's site half
+(:meth:`~engine.fl.methods.FederatedMethod.train_at_site`) runs on the site's own data. The
+reply holds the method's weights, the training sample count and numeric metrics: nothing
+else leaves the site (no image, no mask, no path; an error is reported to the coordinator
+without its details, which stay in the site's own log).
+
+``query`` messages: ``identify`` (insecure mode: the site tells its name) and ``finished``
+(the run is over).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine.errors import CancelledError, ConfigError, DataError, WeightsError
+from engine.federation.checkpoint import load_site_state_before, save_site_state
+from engine.federation.events import EventWriter
+from engine.federation.flower import records
+
+if TYPE_CHECKING:
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+
+    from engine.data.site_data import SiteData
+    from engine.federation.config import SiteConfig
+    from engine.fl.methods import FederatedMethod, SiteUpdate
+
+log = logging.getLogger(__name__)
+
+#: Errors whose message may be shown to the coordinator (they name no local file).
+_SHAREABLE_ERRORS = (WeightsError,)
+
+
+@dataclass
+class PendingReport:
+    """Events a site emits once its reply has left (``sent``, ``metrics``, ``round_end``)."""
+
+    emit: Callable[[], None]
+
+
+@dataclass
+class SiteWorker:
+    """The site's half of the federation: its data, the methods it was asked to run, its private state.
+
+    Parameters
+    ----------
+    cfg
+        The site's configuration.
+    events
+        Progress events (``source="site"``).
+    cancel
+        Returns ``True`` when the site is being stopped.
+    validate
+        Compute validation Dice after each round (``metrics`` events).
+    """
+
+    cfg: SiteConfig
+    events: EventWriter
+    cancel: Callable[[], bool] | None = None
+    validate: bool = True
+    finished: bool = False
+    _data: dict[tuple[str, int], SiteData] = field(default_factory=dict)
+    _methods: dict[str, FederatedMethod] = field(default_factory=dict)
+    after_reply: PendingReport | None = None
+
+    # --- pieces ------------------------------------------------------------------------
+    def data(self, task: str, image_size: int) -> SiteData:
+        """The site's data at ``image_size`` (loaded once, through the same path as training and inference)."""
+        from engine.data.site_data import load_site
+        from engine.tasks import get_task
+
+        key = (task, image_size)
+        if key not in self._data:
+            self.events.status(f"loading {self.cfg.datalist.name} at {image_size} px")
+            self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name)
+        return self._data[key]
+
+    def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:
+        from engine.federation.spec import MethodSpec, build_method
+
+        spec = MethodSpec.from_json(spec_json)
+        if spec.task != self.cfg.task:
+            raise ConfigError(f"the coordinator runs task {spec.task!r} but this site's data is for {self.cfg.task!r}; "
+                              "join a federation of your task or fix [site] task")
+        if self.cfg.name not in spec.site_names:
+            raise ConfigError(f"the coordinator's run does not include site {self.cfg.name!r} "
+                              f"(sites: {', '.join(spec.site_names)})")
+        if spec_json not in self._methods:
+            self._methods[spec_json] = build_method(spec, self.cfg.device)
+        return self._methods[spec_json], spec
+
+    @property
+    def state_dir(self) -> Any:
+        return self.cfg.work_dir / "state"
+
+    # --- train -------------------------------------------------------------------------
+    def train(self, content: Any) -> Any:
+        """Handle a ``train`` message's content; return the reply content."""
+        from engine.fl.methods import SiteRuntime
+
+        received_at = time.monotonic()
+        ins = records.decode_instructions(content)
+        if ins.site != self.cfg.name:
+            raise ConfigError(f"the coordinator addressed this message to site {ins.site!r}, but this is "
+                              f"{self.cfg.name!r}; check the site name enrolled for this key")
+        method, spec = self.method(ins.spec_json)
+        rnd, total = ins.round, ins.rounds
+        self.events.emit("received", round=rnd, rounds=total, method=ins.method, bytes=records.record_bytes(content),
+                         contents=records.record_contents(content))
+        self.events.emit("round_start", round=rnd, rounds=total, method=ins.method)
+        data = self.data(spec.task, spec.image_size)
+        runtime = SiteRuntime(self.cfg.name, spec.site_names.index(self.cfg.name), data.train,
+                              load_site_state_before(self.state_dir, ins.session, rnd))
+
+        def progress(event: dict[str, Any]) -> None:
+            if event.get("event") == "batch":
+                self.events.emit("batch", round=rnd, batch=event["batch"], batches=event["batches"],
+                                 loss=event.get("loss", {}), method=ins.method)
+
+        started = time.monotonic()
+        update = method.train_at_site(ins.instructions, runtime, progress, self.cancel)
+        train_s = time.monotonic() - started
+        save_site_state(self.state_dir, ins.session, rnd, runtime.state)
+        reply = records.encode_update(_with_timing(update, train_s), site=self.cfg.name, rnd=rnd)
+
+        def report() -> None:
+            loss = {k: v for k, v in update.metrics.items() if k.startswith("loss")}
+            self.events.emit("sent", round=rnd, bytes=records.record_bytes(reply), contents={
+                "tensors": records.record_contents(reply), "num_examples": update.num_samples,
+                "metrics": sorted(update.metrics)})
+            dice = (self._validation_dice(method, ins.instructions.weights, update, runtime, data)
+                    if self.validate else {})
+            self.events.emit("metrics", round=rnd, loss=loss, dice=dice, train_s=round(train_s, 3))
+            self.events.emit("round_end", round=rnd, rounds=total, wall_s=round(time.monotonic() - received_at, 3))
+
+        self.after_reply = PendingReport(report)
+        return reply
+
+    def _validation_dice(self, method: FederatedMethod, received: dict[str, Any], update: SiteUpdate,
+                         runtime: Any, data: SiteData) -> dict[str, float]:
+        """Validation Dice of the received global model, the personalized model and the locally trained one."""
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        split = data.validation
+        if not len(split.images):
+            return {}
+        models: dict[str, Any] = {}
+        if "global" in received:
+            models["global"] = received["global"]
+        if "personal" in received:
+            models["personalized"] = received["personal"]
+        if "personal" in update.weights:
+            models["local"] = update.weights["personal"]
+        elif "global" in update.weights:
+            models["local"] = update.weights["global"]
+        elif "local_model" in runtime.state:
+            models["local"] = runtime.state["local_model"]
+            models.setdefault("personalized", runtime.state["local_model"])
+        out = {}
+        for name, weights in models.items():
+            masks = segment_with(method.task, weights, split.images, self.cfg.device)
+            out[name] = float(np.mean(dice_per_case(masks, split.masks, split.case_ids)))
+        return out
+
+    # --- query -------------------------------------------------------------------------
+    def query(self, content: Any) -> Any:
+        from flwr.app import ConfigRecord, RecordDict
+
+        info = content.config_records.get(records.INFO, {})
+        action = info.get("action")
+        if action == "finished":
+            self.finished = True
+            self.events.emit("finished", rounds=int(info.get("rounds", 0)))
+        elif action != "identify":
+            raise ConfigError(f"unknown query {action!r} from the coordinator")
+        return RecordDict({records.INFO: ConfigRecord({"site": self.cfg.name})})
+
+
+def _with_timing(update: SiteUpdate, train_s: float) -> SiteUpdate:
+    from engine.fl.methods import SiteUpdate
+
+    return SiteUpdate(update.weights, update.num_samples, {**update.metrics, "train_s": float(train_s)})
+
+
+def shareable_reason(exc: BaseException, site: str) -> str:
+    """What the coordinator may learn about a failure at ``site`` (never a local path)."""
+    from engine.security.approval import AppNotApproved
+
+    if isinstance(exc, (AppNotApproved, *_SHAREABLE_ERRORS)):
+        return str(exc)
+    if isinstance(exc, CancelledError):
+        return f"site {site} is shutting down"
+    kind = "data" if isinstance(exc, DataError) else "configuration" if isinstance(exc, ConfigError) else "training"
+    return f"{kind} problem at site {site} ({type(exc).__name__}); the site's own log has the details"
+
+
+def build_client_app(worker: SiteWorker) -> ClientApp:
+    """A Flower ``ClientApp`` whose handlers call ``worker``."""
+    from flwr.app import Message
+    from flwr.clientapp import ClientApp
+
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        return Message(worker.train(msg.content), reply_to=msg)
+
+    @app.query()
+    def query(msg: Message, context: Context) -> Message:
+        return Message(worker.query(msg.content), reply_to=msg)
+
+    return app
+
+
+__all__ = ["PendingReport", "SiteWorker", "build_client_app", "shareable_reason"]

@@ -1,0 +1,155 @@
+"""Child processes (SuperLink, SuperNode): start, watch their output, stop them by PID.
+
+Each child runs through :mod:`engine.federation.flower.launch`, which stops it when this
+process dies. Children start in their own session, so a Ctrl-C in the terminal reaches only
+the FedSM process, which then stops its children itself, in order: SIGINT (Flower's graceful
+exit: a SuperNode deactivates itself at the coordinator), SIGTERM, SIGKILL, each by PID.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.errors import FedSMError
+from engine.federation.flower import FLOWER_ENV
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    """Whether something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None) -> list[str]:
+    """Command line that runs a Flower component under the FedSM launcher."""
+    argv = [sys.executable, "-m", "engine.federation.flower.launch", component, "--parent-pid", str(os.getpid())]
+    if poll_interval is not None:
+        argv += ["--poll-interval", str(poll_interval)]
+    return [*argv, "--", *flower_args]
+
+
+class ChildProcess:
+    """A Flower component running as a child of this process.
+
+    Parameters
+    ----------
+    name
+        For messages, e.g. ``"SuperLink"``.
+    argv
+        Command line (see :func:`launcher_argv`).
+    log_path
+        File that receives the child's output (appended).
+    on_line
+        Called with each output line (from a reader thread).
+    env
+        Extra environment variables.
+    """
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, on_line: Callable[[str], None] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.on_line = on_line
+        self.env = {**os.environ, **FLOWER_ENV, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=30)
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        root = Path(__file__).resolve().parents[3]
+        env = dict(self.env)
+        # the child must import this very engine, also when it is not installed (a checkout)
+        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"{self.name}-output")
+        self._reader.start()
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with self.log_path.open("a", encoding="utf-8") as out:
+            for raw in self.proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip()
+                out.write(line + "\n")
+                out.flush()
+                self._tail.append(line)
+                if self.on_line is not None:
+                    try:
+                        self.on_line(line)
+                    except Exception:  # a broken listener must not stop the log
+                        log.exception("output listener of %s failed", self.name)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 12) -> str:
+        """The child's last output lines (for error messages)."""
+        return "\n".join(list(self._tail)[-lines:])
+
+    def wait_for_port(self, host: str, port: int, timeout: float) -> None:
+        """Block until the child listens on ``host:port``; :class:`FedSMError` if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running():
+                time.sleep(0.2)  # let the reader thread catch the last lines
+                raise FedSMError(f"{self.name} exited with status {self.returncode()} while starting; its last "
+                                 f"output ({self.log_path}):\n{self.tail()}")
+            if port_open(host, port):
+                return
+            time.sleep(0.1)
+        raise FedSMError(f"{self.name} did not listen on {host}:{port} within {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Stop the child by PID: SIGINT, then SIGTERM, then SIGKILL. Returns its exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        for sig, wait_s in ((signal.SIGINT, timeout), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            if proc.poll() is not None:
+                break
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) still running after %s", self.name, proc.pid, signal.Signals(sig).name)
+        code = proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        log.info("%s (pid %d) stopped with status %s", self.name, proc.pid, code)
+        return code

@@ -1,0 +1,252 @@
+"""``fedsm server``: the coordinator, headless.
+
+Starts a Flower SuperLink as a child process listening on 127.0.0.1 only (TLS with the
+coordinator's certificate and SuperNode authentication, unless ``--insecure``), opens the
+fleet-only front door on the configured address (:mod:`.fleet_front`), registers every
+configured site's enrolled public key, starts a run of the FedSM app bundle through the
+Control API, and runs the ServerApp in this process (the SuperLink's ``process`` isolation:
+no app code is loaded from the bundle, here or at the sites).
+
+Work folder (``[federation] work_dir``)::
+
+    checkpoint.safetensors   server state after the last completed round (--resume reads it)
+    events.jsonl             progress events
+    superlink.log            the SuperLink's output
+    superlink.db             Flower's state: registered site keys (node identities), runs
+    supermodel.safetensors   FedSM / FedSM-extra: the super model (after the last round)
+    global.safetensors       FedAvg, FedProx, Scaffold: the global model
+    summary.json             rounds: who answered, who was left out and why, bytes, times
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import ConfigError, FedSMError
+from engine.federation.checkpoint import Checkpoint
+from engine.federation.config import FederationConfig, is_loopback
+from engine.federation.events import EventWriter
+from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.io.atomic import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "checkpoint.safetensors"
+
+
+def _prepare_resume(cfg: FederationConfig, resume: bool, app_hash: str, events: EventWriter
+                    ) -> tuple[Checkpoint | None, str]:
+    path = cfg.work_dir / CHECKPOINT
+    if not resume:
+        if path.exists():
+            raise ConfigError(f"{path} holds an unfinished or finished run; continue it with 'fedsm server --config "
+                              f"{cfg.path} --resume', or move the file away to start a new run")
+        return None, uuid.uuid4().hex
+    if not path.exists():
+        raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume")
+    ckpt = Checkpoint.load(path)
+    from engine.federation.spec import MethodSpec
+
+    differ = MethodSpec.from_json(ckpt.spec_json).differences(cfg.spec)
+    if differ:
+        raise ConfigError(f"--resume: {cfg.path} differs from the checkpointed run in {', '.join(differ)}; restore "
+                          "those settings to resume, or start a new run in another work_dir")
+    if ckpt.app_hash != app_hash:
+        events.status(f"the app changed since the checkpoint ({ckpt.app_hash} -> {app_hash}); sites must approve "
+                      "the new hash")
+    return ckpt, ckpt.session
+
+
+def _security_inputs(cfg: FederationConfig, insecure: bool) -> dict[str, bytes]:
+    """Check certificates and enrolments; return the sites' public keys (empty when insecure)."""
+    from engine.security.certs import check_server_certificate
+    from engine.security.enrollment import enrolled_keys
+
+    if insecure:
+        if not is_loopback(cfg.host):
+            raise ConfigError(f"--insecure is for loopback demonstrations only, but [federation] address is "
+                              f"{cfg.address}; use 127.0.0.1, or drop --insecure and set up certificates")
+        return {}
+    check_server_certificate(cfg.tls.ca_cert, cfg.tls.server_cert, cfg.tls.server_key, cfg.host)
+    keys = enrolled_keys(cfg.enrolled_dir)
+    missing = [s for s in cfg.sites if s not in keys]
+    if missing:
+        raise ConfigError(f"site(s) {', '.join(missing)} not enrolled; for each, run 'fedsm enroll --config "
+                          f"{cfg.path} --site NAME --public-key NAME.pub.pem' with the key the site sent")
+    return {s: keys[s] for s in cfg.sites}
+
+
+def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[str]:
+    args = ["--host", "127.0.0.1", "--port", str(port), "--isolation", "process",
+            "--disable-runtime-dependency-installation", "--database", str(cfg.work_dir / "superlink.db")]
+    if insecure:
+        return [*args, "--insecure"]
+    return [*args, "--ssl-ca-certfile", str(cfg.tls.ca_cert), "--ssl-certfile", str(cfg.tls.server_cert),
+            "--ssl-keyfile", str(cfg.tls.server_key), "--enable-supernode-auth"]
+
+
+def _acquire_server_task(address: str, insecure: bool, ca: bytes | None, timeout: float = 60.0) -> str:
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    client = RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=insecure, root_certificates=ca,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp")])
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.SERVER_APP]))
+            if res.HasField("task") and res.token:
+                return str(res.token)
+            time.sleep(0.1)
+    finally:
+        client.close()
+    raise FedSMError(f"the SuperLink did not hand out the run's ServerApp task within {timeout:g} s")
+
+
+def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], history: list[dict[str, Any]],
+                  session: str, app_hash: str) -> dict[str, Any]:
+    """Write the trained models and ``summary.json``; return the summary."""
+    from engine.federation.checkpoint import save_weightset
+
+    spec = cfg.spec
+    files: dict[str, str] = {}
+    if spec.method in ("fedsm", "fedsm-extra"):
+        from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+        from engine.tasks import get_task
+
+        task = get_task(spec.task)
+        meta = BundleMetadata(
+            task=task.name, label_names=list(task.label_names), in_channels=task.in_channels,
+            image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
+            normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
+            routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
+            gamma=float(spec.gamma), rounds=method.total_rounds, val_dice={s: None for s in spec.site_names},
+            extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server"})
+        bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
+                                  state["selector"])
+        save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
+        files["supermodel"] = "supermodel.safetensors"
+    elif "global" in state:
+        save_weightset(cfg.work_dir / "global.safetensors", {"global": state["global"]},
+                       {"format": "fedsm-global-model", "method": spec.method, "session": session})
+        files["global"] = "global.safetensors"
+    summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
+               "rounds": history, "files": files}
+    write_text_atomic(cfg.work_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = False, resume: bool = False,
+               stop: Callable[[], bool] | None = None,
+               record_fleet: Callable[[str, bytes], None] | None = None) -> dict[str, Any]:
+    """Run the coordinator until the last round is done; return the run's summary.
+
+    Parameters
+    ----------
+    insecure
+        No TLS and no site authentication; refused unless the address is loopback.
+    resume
+        Continue from ``checkpoint.safetensors`` in the work folder.
+    stop
+        Returns ``True`` when the coordinator should stop (checked while waiting).
+    record_fleet
+        Sees every request sites send through the front door (tests, audits).
+    """
+    from flwr.common.serde import context_from_proto, run_from_proto
+    from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
+    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from engine.federation.flower.app_bundle import build_app_bundle
+    from engine.federation.flower.control import ControlClient
+    from engine.federation.flower.fleet_front import FleetFront
+    from engine.federation.flower.server_app import (
+        FederationRunner,
+        RegisteredSites,
+        RoundSettings,
+        SelfNamedSites,
+        build_server_app,
+    )
+    from engine.federation.flower.transfer import PromptHttpGrid
+    from engine.federation.spec import build_method
+
+    cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    keys = _security_inputs(cfg, insecure)
+    app = build_app_bundle()
+    checkpoint, session = _prepare_resume(cfg, resume, app.hash, events)
+    method = build_method(cfg.spec)
+    events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {method.total_rounds} rounds; "
+                  f"app {app.hash}")
+    ca_pem = None if insecure else cfg.tls.ca_cert.read_bytes()
+    port = cfg.superlink_port or free_port()
+    address = f"127.0.0.1:{port}"
+    superlink = ChildProcess("SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure)),
+                             cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home")})
+    front = FleetFront(cfg.host, cfg.port, f"{'http' if insecure else 'https'}://{address}",
+                       None if insecure else cfg.tls.server_cert, None if insecure else cfg.tls.server_key,
+                       None if insecure else cfg.tls.ca_cert, record=record_fleet)
+    heartbeat = runtime = control = grid = None
+    status, details = "failed", "the coordinator stopped before the run ended"
+    try:
+        superlink.start()
+        superlink.wait_for_port("127.0.0.1", port, timeout=120)
+        front.start()
+        events.status(f"sites connect to {cfg.address}" + (" (INSECURE: no TLS, no site authentication)"
+                                                           if insecure else ""))
+        control = ControlClient(address, ca_pem)
+        directory = (SelfNamedSites(cfg.sites, cfg.poll_interval) if insecure
+                     else RegisteredSites(control.register_sites(keys)))
+        stale = control.stop_unfinished_runs()
+        if stale:
+            events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
+        control.start_run(app.content)
+        token = _acquire_server_task(address, insecure, ca_pem)
+        runtime = RuntimeHttpClient.from_server_address(
+            server_address=address, insecure=insecure, root_certificates=ca_pem,
+            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
+                          RuntimeTokenHttpInterceptor(token)])
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(runtime))
+        heartbeat.start()
+        task_input = runtime.PullTaskInput(PullTaskInputRequest())
+        run = run_from_proto(task_input.run)
+        TaskIdentity.task_id = task_input.task_id
+        TaskIdentity.run_id = run.run_id
+        TaskIdentity.node_id = task_input.context.node_id
+        grid = PromptHttpGrid(address, insecure, ca_pem, token=token)
+        grid.pull_timeout = cfg.round_timeout
+        grid.set_run(run)
+        settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,
+                                 cfg.poll_interval)
+        runner = FederationRunner(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
+                                  app.hash, cancel=stop)
+        result: dict[str, Any] = {}
+        build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
+        summary = write_results(cfg, method, result["state"], runner.history, session, app.hash)
+        status, details = "completed", ""
+        return summary
+    finally:
+        if grid is not None:
+            grid.close()
+        if runtime is not None:
+            try:
+                runtime.PushTaskOutput(PushTaskOutputRequest(sub_status=status, details=details))
+            except Exception as exc:  # the SuperLink may already be gone
+                log.warning("could not report the run's end to the SuperLink: %s", exc)
+        if heartbeat is not None and heartbeat.is_running:
+            heartbeat.stop()
+        if runtime is not None:
+            runtime.close()
+        if control is not None:
+            control.close()
+        front.stop()
+        superlink.stop()

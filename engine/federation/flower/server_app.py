@@ -1,0 +1,365 @@
+"""The FedSM ServerApp: rounds of per-site messages over a Flower ``Grid``.
+
+Each round the coordinator asks the method's server half what every site gets
+(:meth:`~engine.fl.methods.FederatedMethod.site_instructions`), sends each site its own
+message (``Grid`` with ``dst_node_id`` = that site's node, found by site name, never by
+connection order), waits for replies until ``round_timeout``, decodes and validates each reply
+(:func:`engine.federation.flower.records.decode_update`, then the method's
+``validate_update``: keys, shapes, dtypes, NaN/Inf), and aggregates the valid ones in the
+configured site order. A site that is offline, does not answer in time, answers with an error
+or with a bad update is left out of that round (with the reason in ``round_end.left_out``)
+and keeps its personalized model; it takes part again as soon as it answers. A round with
+fewer than ``min_sites`` valid answers is repeated (same round, same seeds) up to
+``round_attempts`` times. After every aggregated round the state is checkpointed atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.errors import CancelledError, FedSMError, WeightsError
+from engine.federation.checkpoint import Checkpoint
+from engine.federation.events import EventWriter
+from engine.federation.flower import records
+
+if TYPE_CHECKING:
+    from flwr.app import Context, Message
+    from flwr.serverapp import Grid, ServerApp
+
+    from engine.federation.spec import MethodSpec
+    from engine.fl.methods import FederatedMethod, SiteUpdate, WeightSet
+
+log = logging.getLogger(__name__)
+
+TRAIN = "train"
+QUERY = "query"
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """How the coordinator runs rounds (``[federation]`` in ``federation.toml``)."""
+
+    min_sites: int = 1
+    round_timeout: float = 600.0
+    start_timeout: float = 600.0
+    round_attempts: int = 3
+    poll_interval: float = 0.2
+
+
+class SiteDirectory(Protocol):
+    """Which configured sites are connected now, and at which node."""
+
+    def online(self, grid: Grid) -> dict[str, int]:
+        """``{site: node_id}`` of the configured sites that are connected now."""
+
+
+class RegisteredSites:
+    """Sites known by their enrolled keys: each key was registered and got a stable node id."""
+
+    def __init__(self, node_ids: Mapping[str, int]) -> None:
+        self.node_ids = dict(node_ids)
+
+    def online(self, grid: Grid) -> dict[str, int]:
+        status = {n.node_id: n.status for n in grid.get_nodes()}
+        return {site: node for site, node in self.node_ids.items() if status.get(node) == "online"}
+
+
+class SelfNamedSites:
+    """Insecure mode only: nodes have no enrolled key, so each new node is asked its site name.
+
+    The name is what the site claims; without site authentication nothing better exists,
+    which is why this mode is for loopback demonstrations only.
+    """
+
+    def __init__(self, sites: Iterable[str], poll_interval: float = 0.2, timeout: float = 30.0) -> None:
+        self.sites = set(sites)
+        self.names: dict[int, str] = {}
+        self.poll_interval = poll_interval
+        self.timeout = timeout
+
+    def online(self, grid: Grid) -> dict[str, int]:
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        nodes = [n.node_id for n in grid.get_nodes() if n.status == "online"]
+        unknown = [n for n in nodes if n not in self.names]
+        if unknown:
+            ask = {str(n): Message(RecordDict({records.INFO: ConfigRecord({"action": "identify"})}),
+                                   dst_node_id=n, message_type=QUERY, ttl=self.timeout) for n in unknown}
+            replies, _ = exchange(grid, ask, self.timeout, self.poll_interval)
+            for key, reply in replies.items():
+                if not reply.has_error():
+                    name = reply.content.config_records.get(records.INFO, {}).get("site")
+                    if isinstance(name, str) and name in self.sites:
+                        self.names[int(key)] = name
+        latest: dict[str, int] = {}
+        for node in nodes:  # a restarted site gets a new node; the newest one wins
+            if node in self.names:
+                latest[self.names[node]] = node
+        return latest
+
+
+def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_interval: float,
+             cancel: Callable[[], bool] | None = None) -> tuple[dict[str, Message], dict[str, str]]:
+    """Send ``{key: message}`` and collect replies until all answered or ``timeout`` passed.
+
+    Returns
+    -------
+    replies, missing
+        Replies by key, and a reason for every key without a reply.
+    """
+    if not messages:
+        return {}, {}
+    keys = list(messages)
+    ids = list(grid.push_messages([messages[k] for k in keys]))
+    pending: dict[str, str] = {}
+    missing: dict[str, str] = {}
+    for key, msg_id in zip(keys, ids, strict=True):
+        if msg_id:
+            pending[msg_id] = key
+        else:
+            missing[key] = "the coordinator could not queue its message"
+    replies: dict[str, Message] = {}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for reply in grid.pull_messages(list(pending)):
+            key = pending.pop(reply.metadata.reply_to_message_id, None)
+            if key is not None:
+                replies[key] = reply
+        if not pending:
+            break
+        if cancel is not None and cancel():
+            raise CancelledError("the coordinator was stopped while waiting for sites")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(poll_interval)
+    for key in pending.values():
+        missing[key] = f"no answer within {timeout:g} s"
+    return replies, missing
+
+
+@dataclass
+class RoundResult:
+    """What one round (one attempt) produced."""
+
+    round: int
+    updates: dict[str, SiteUpdate]
+    left_out: dict[str, str]
+    wall_s: float
+    train_s: dict[str, float] = field(default_factory=dict)
+    bytes_to: dict[str, int] = field(default_factory=dict)
+    bytes_from: dict[str, int] = field(default_factory=dict)
+
+
+class FederationRunner:
+    """The coordinator's round loop.
+
+    Parameters
+    ----------
+    method
+        The method's server half (built from ``spec``).
+    spec
+        What every site is told about the run.
+    settings
+        Timeouts, ``min_sites`` and polling.
+    directory
+        Finds each configured site's node.
+    events
+        Progress events (``source="server"``).
+    checkpoint_path
+        Written after every aggregated round.
+    session
+        Identifies this run across coordinator restarts (sites key their private state by it).
+    app_hash
+        The FAB hash of this run (recorded in checkpoints).
+    cancel
+        Returns ``True`` when the coordinator should stop.
+    """
+
+    def __init__(self, method: FederatedMethod, spec: MethodSpec, settings: RoundSettings, directory: SiteDirectory,
+                 events: EventWriter, checkpoint_path: Path, session: str, app_hash: str,
+                 cancel: Callable[[], bool] | None = None) -> None:
+        self.method = method
+        self.spec = spec
+        self.spec_json = spec.to_json()
+        self.settings = settings
+        self.directory = directory
+        self.events = events
+        self.checkpoint_path = Path(checkpoint_path)
+        self.session = session
+        self.app_hash = app_hash
+        self.cancel = cancel
+        self.history: list[dict[str, Any]] = []
+        self._online: set[str] = set()
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return self.spec.site_names
+
+    # --- sites -------------------------------------------------------------------------
+    def _check_cancel(self) -> None:
+        if self.cancel is not None and self.cancel():
+            raise CancelledError("the coordinator was stopped")
+
+    def online_sites(self, grid: Grid) -> dict[str, int]:
+        """Connected sites now; emits ``connected``/``disconnected`` for changes."""
+        online = self.directory.online(grid)
+        for site in sorted(set(online) - self._online):
+            self.events.emit("connected", site=site, coordinator="this coordinator", node=online[site])
+        for site in sorted(self._online - set(online)):
+            self.events.emit("disconnected", site=site, reason="the site's node went offline", reconnecting=True)
+        self._online = set(online)
+        return online
+
+    def wait_for_sites(self, grid: Grid) -> dict[str, int]:
+        """Wait until every site is connected, or ``start_timeout`` passed with at least ``min_sites``."""
+        deadline = time.monotonic() + self.settings.start_timeout
+        announced = -1
+        while True:
+            self._check_cancel()
+            online = self.online_sites(grid)
+            if len(online) == len(self.sites):
+                return online
+            if len(online) != announced:
+                waiting = [s for s in self.sites if s not in online]
+                self.events.status(f"{len(online)} of {len(self.sites)} sites connected; waiting for "
+                                   f"{', '.join(waiting)}")
+                announced = len(online)
+            if time.monotonic() >= deadline:
+                if len(online) >= self.settings.min_sites:
+                    return online
+                raise FedSMError(f"only {len(online)} of {len(self.sites)} sites connected within "
+                                 f"{self.settings.start_timeout:g} s (min_sites = {self.settings.min_sites}); start "
+                                 "the missing sites (fedsm site) and check their logs")
+            time.sleep(max(self.settings.poll_interval, 0.5))
+
+    # --- one round ---------------------------------------------------------------------
+    def run_round(self, grid: Grid, state: WeightSet, rnd: int) -> RoundResult:
+        """Send round ``rnd``'s instructions, collect and validate the answers (no aggregation)."""
+        from flwr.app import Message
+
+        start = time.monotonic()
+        total = self.method.total_rounds
+        online = self.online_sites(grid)
+        left_out: dict[str, str] = {}
+        messages: dict[str, Message] = {}
+        bytes_to: dict[str, int] = {}
+        for site in self.sites:
+            if site not in online:
+                left_out[site] = "not connected"
+                continue
+            ins = self.method.site_instructions(state, rnd, site)
+            content = records.encode_instructions(ins, rounds=total, method=self.method.name,
+                                                  spec_json=self.spec_json, session=self.session, site=site)
+            bytes_to[site] = records.record_bytes(content)
+            messages[site] = Message(content, dst_node_id=online[site], message_type=TRAIN, group_id=str(rnd),
+                                     ttl=self.settings.round_timeout)
+            self.events.emit("sent", site=site, round=rnd, rounds=total, method=self.method.name,
+                             bytes=bytes_to[site], contents=records.record_contents(content))
+        replies, missing = exchange(grid, messages, self.settings.round_timeout, self.settings.poll_interval,
+                                    self._check_cancel_flag)
+        left_out.update(missing)
+        updates: dict[str, SiteUpdate] = {}
+        train_s: dict[str, float] = {}
+        bytes_from: dict[str, int] = {}
+        for site in self.sites:  # configured order: aggregation sums in the same order as the simulation
+            reply = replies.get(site)
+            if reply is None:
+                continue
+            if reply.has_error():
+                left_out[site] = f"the site answered with an error: {reply.error.reason}"
+                self.events.error(left_out[site], site=site, round=rnd)
+                continue
+            try:
+                update = records.decode_update(reply.content, site, rnd)
+                self.method.validate_update(state, site, update)
+            except (FedSMError, WeightsError) as exc:
+                left_out[site] = f"update rejected: {exc}"
+                log.warning("round %d: update from %s rejected: %s", rnd, site, exc)
+                self.events.error(left_out[site], site=site, round=rnd)
+                continue
+            bytes_from[site] = records.record_bytes(reply.content)
+            train_s[site] = float(update.metrics.pop("train_s", float("nan")))
+            updates[site] = update
+            self.events.emit("received", site=site, round=rnd, rounds=total, method=self.method.name,
+                             bytes=bytes_from[site], contents=records.record_contents(reply.content),
+                             num_examples=update.num_samples, metrics=update.metrics)
+        for site, reason in missing.items():
+            self.events.error(f"left out of round {rnd}: {reason}", site=site, round=rnd)
+        return RoundResult(rnd, updates, left_out, time.monotonic() - start, train_s, bytes_to, bytes_from)
+
+    def _check_cancel_flag(self) -> bool:
+        return bool(self.cancel is not None and self.cancel())
+
+    # --- the run -----------------------------------------------------------------------
+    def run(self, grid: Grid, resume: Checkpoint | None = None) -> WeightSet:
+        """Run the remaining rounds; return the final server state."""
+        total = self.method.total_rounds
+        if resume is not None:
+            state, first = resume.state, resume.round + 1
+            self.history = list(resume.history)
+            self.events.status(f"resuming after round {resume.round} of {total}")
+        else:
+            state, first = self.method.initial_state(), 1
+        self.wait_for_sites(grid)
+        for rnd in range(first, total + 1):
+            self.events.emit("round_start", round=rnd, rounds=total, method=self.method.name)
+            result = None
+            for attempt in range(1, self.settings.round_attempts + 1):
+                self._check_cancel()
+                result = self.run_round(grid, state, rnd)
+                if len(result.updates) >= self.settings.min_sites:
+                    break
+                self.events.error(f"round {rnd}: {len(result.updates)} valid answers, fewer than min_sites = "
+                                  f"{self.settings.min_sites} (attempt {attempt} of {self.settings.round_attempts})",
+                                  round=rnd, left_out=result.left_out)
+                if attempt < self.settings.round_attempts:
+                    self.wait_for_sites(grid)
+            assert result is not None
+            if len(result.updates) < self.settings.min_sites:
+                raise FedSMError(f"round {rnd}: fewer than min_sites = {self.settings.min_sites} sites answered in "
+                                 f"{self.settings.round_attempts} attempts ({result.left_out}); the checkpoint of "
+                                 f"round {rnd - 1} is kept: fix the sites, then run 'fedsm server --resume'")
+            state = self.method.aggregate(state, rnd, result.updates)
+            record = {"round": rnd, "answered": sorted(result.updates), "left_out": result.left_out,
+                      "wall_s": round(result.wall_s, 3), "train_s": result.train_s,
+                      "bytes_to_sites": sum(result.bytes_to.values()),
+                      "bytes_from_sites": sum(result.bytes_from.values())}
+            self.history.append(record)
+            path = Checkpoint(rnd, state, self.spec_json, self.session, self.app_hash, self.history).save(
+                self.checkpoint_path)
+            self.events.emit("checkpoint", round=rnd, path=str(path))
+            self.events.emit("round_end", round=rnd, rounds=total, method=self.method.name,
+                             wall_s=round(result.wall_s, 3), answered=record["answered"], left_out=result.left_out,
+                             train_s=result.train_s)
+        return state
+
+    def announce_finished(self, grid: Grid, timeout: float = 20.0) -> None:
+        """Tell connected sites that the run is over (they emit ``finished``)."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        total = self.method.total_rounds
+        online = self.online_sites(grid)
+        messages = {site: Message(RecordDict({records.INFO: ConfigRecord(
+            {"action": "finished", "rounds": total, "session": self.session})}),
+            dst_node_id=node, message_type=QUERY, ttl=timeout) for site, node in online.items()}
+        exchange(grid, messages, timeout, self.settings.poll_interval)
+        self.events.emit("finished", rounds=total)
+
+
+def build_server_app(runner: FederationRunner, resume: Checkpoint | None, result: dict[str, Any]) -> ServerApp:
+    """A Flower ``ServerApp`` whose main function runs ``runner`` and stores the final state in ``result``."""
+    from flwr.serverapp import ServerApp
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        result["state"] = runner.run(grid, resume)
+        runner.announce_finished(grid)
+
+    return app

@@ -1,0 +1,257 @@
+"""``fedsm site``: one site of a federation, headless.
+
+The site process starts a Flower SuperNode as a child (TLS to the coordinator, the site's
+private key for authentication, ``--isolation process``) and is itself the process that runs
+the ClientApp: it takes each task from the SuperNode's Runtime API on the loopback interface,
+checks the hash of the app bundle the task belongs to against ``approved_apps`` (refusing
+anything else with an error reply), calls the installed engine's ClientApp, and pushes the
+reply. No code from the network is imported or run, and the site's data stays loaded
+between rounds.
+
+If the SuperNode exits (coordinator restarted, network gone, node not yet released after a
+crash), it is started again with growing pauses; ``disconnected`` and ``connected`` events
+say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.errors import CancelledError, FedSMError
+from engine.federation.config import SiteConfig, check_site_files, parse_address
+from engine.federation.events import EventWriter
+from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+
+log = logging.getLogger(__name__)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RESTART_PAUSES = (2.0, 4.0, 8.0, 15.0, 30.0)
+
+
+class SuperNodeSupervisor:
+    """Keep the site's SuperNode running and report its connection as events."""
+
+    def __init__(self, cfg: SiteConfig, insecure: bool, runtime_port: int, events: EventWriter,
+                 log_path: Path) -> None:
+        self.cfg = cfg
+        self.insecure = insecure
+        self.runtime_port = runtime_port
+        self.events = events
+        self.log_path = log_path
+        self.child: ChildProcess | None = None
+        self._stop = threading.Event()
+        self._connected = False
+        self._last_error = ""
+        self._thread: threading.Thread | None = None
+
+    def argv(self) -> list[str]:
+        args = ["--superlink", self.cfg.coordinator, "--isolation", "process", "--host", "127.0.0.1",
+                "--port", str(self.runtime_port), "--node-config", f'site-name="{self.cfg.name}"']
+        if self.insecure:
+            args.append("--insecure")
+        else:
+            args += ["--root-certificates", str(self.cfg.ca_cert), "--auth-supernode-private-key",
+                     str(self.cfg.private_key)]
+        return launcher_argv("supernode", args, poll_interval=self.cfg.poll_interval)
+
+    def _on_line(self, line: str) -> None:
+        text = _ANSI.sub("", line)
+        if "SuperNode ID:" in text or "Connection successful after" in text:
+            self._set_connected(True)
+        elif "Connection attempt failed" in text:
+            self._set_connected(False, "lost the connection to the coordinator; retrying")
+        elif "ERROR" in text or "[code:" in text or "Failed" in text:
+            self._last_error = text.split(":", 1)[-1].strip() or text
+
+    def _set_connected(self, up: bool, reason: str = "") -> None:
+        if up and not self._connected:
+            self.events.emit("connected", coordinator=self.cfg.coordinator)
+        elif not up and self._connected:
+            self.events.emit("disconnected", reason=reason, reconnecting=not self._stop.is_set())
+        self._connected = up
+
+    def start(self) -> None:
+        self._start_child()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="supernode-supervisor")
+        self._thread.start()
+
+    def _start_child(self) -> None:
+        self.child = ChildProcess("SuperNode", self.argv(), self.log_path, on_line=self._on_line)
+        self.child.start()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the SuperNode's Runtime API listens (not yet connected to the coordinator)."""
+        assert self.child is not None
+        self.child.wait_for_port("127.0.0.1", self.runtime_port, timeout)
+
+    def _watch(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            child = self.child
+            if child is not None and not child.running():
+                if self._stop.is_set():
+                    break
+                reason = self._last_error or f"the SuperNode exited with status {child.returncode()}"
+                if self._connected:
+                    self._set_connected(False, reason)
+                else:
+                    self.events.emit("disconnected", reason=reason, reconnecting=True)
+                pause = _RESTART_PAUSES[min(failures, len(_RESTART_PAUSES) - 1)]
+                failures += 1
+                self.events.status(f"reconnecting to {self.cfg.coordinator} in {pause:g} s")
+                if self._stop.wait(pause):
+                    break
+                self._last_error = ""
+                self._start_child()
+            elif self._connected:
+                failures = 0
+            self._stop.wait(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self.child is not None:
+            self.child.stop()
+        if self._connected:
+            self._connected = False
+            self.events.emit("disconnected", reason="the site stopped", reconnecting=False)
+
+
+class TaskExecutor:
+    """Run ClientApp tasks that the SuperNode queued: approval first, then the installed engine."""
+
+    def __init__(self, cfg: SiteConfig, runtime_address: str, client_app: Any, worker: Any,
+                 events: EventWriter) -> None:
+        self.cfg = cfg
+        self.address = runtime_address
+        self.app = client_app
+        self.worker = worker
+        self.events = events
+
+    def _client(self, token: str | None = None) -> Any:
+        from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+        from flwr.supercore.runtime import RuntimeHttpClient
+
+        interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
+        if token is not None:
+            interceptors.append(RuntimeTokenHttpInterceptor(token))
+        return RuntimeHttpClient.from_server_address(server_address=self.address, insecure=True,
+                                                     root_certificates=None, interceptors=interceptors)
+
+    def acquire(self, client: Any) -> str | None:
+        """A task token if the SuperNode has a ClientApp task waiting."""
+        import httpx
+        from flwr.proto.runtime_pb2 import AcquireTaskRequest
+        from flwr.supercore.constant import TaskType
+
+        try:
+            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+        except httpx.TransportError:
+            return None  # SuperNode (re)starting
+        return res.token if res.HasField("task") and res.token else None
+
+    def run_task(self, token: str) -> None:
+        """Pull the task's message, check the app, answer it, report the task's end."""
+        from flwr.app import Error, Message
+        from flwr.common.constant import ErrorCode, SubStatus
+        from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
+        from engine.federation.flower.client_app import shareable_reason
+        from engine.federation.flower.transfer import pull_task_input
+        from engine.security.approval import AppNotApproved, check_app_approved
+
+        client = self._client(token)
+        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
+        heartbeat.start()
+        context = None
+        status, details = SubStatus.FAILED, "ClientApp task failed"
+        try:
+            message, context, _run, fab = pull_task_input(client)
+            self.worker.after_reply = None
+            try:
+                check_app_approved(fab.content, self.cfg.approved_apps, self.cfg.name)
+                reply = self.app(message=message, context=context)
+            except CancelledError:
+                raise
+            except AppNotApproved as exc:
+                self.events.error(str(exc))
+                reply = Message(Error(ErrorCode.INVALID_FAB, shareable_reason(exc, self.cfg.name)), reply_to=message)
+            except Exception as exc:  # any failure becomes an error reply, never a crash of the site
+                log.exception("task failed")
+                self.events.error(f"{type(exc).__name__}: {exc}")
+                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, shareable_reason(exc, self.cfg.name)),
+                                reply_to=message)
+            push_message(client, reply, context)
+            status, details = SubStatus.COMPLETED, ""
+        finally:
+            push_task_output(client, context, status, details)
+            if heartbeat.is_running:
+                heartbeat.stop()
+            client.close()
+        if self.worker.after_reply is not None:
+            pending, self.worker.after_reply = self.worker.after_reply, None
+            pending.emit()
+
+
+def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, once: bool = False,
+             validate: bool = True, stop: Callable[[], bool] | None = None) -> int:
+    """Join the federation and serve rounds until stopped (or, with ``once``, until the run finishes).
+
+    Returns the process exit status (0 = stopped normally or run finished).
+    """
+    from engine.federation.flower.client_app import SiteWorker, build_client_app
+
+    check_site_files(cfg, secure=not insecure)
+    parse_address(cfg.coordinator, str(cfg.path))
+    if not cfg.approved_apps:
+        events.status("approved_apps in site.toml is empty: this site will refuse every app; add the hash the "
+                      "coordinator announces (fedsm certs app-hash shows this installation's)")
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    stopping = stop or (lambda: False)
+    worker = SiteWorker(cfg, events, cancel=stopping, validate=validate)
+    port = cfg.runtime_port or free_port()
+    supervisor = SuperNodeSupervisor(cfg, insecure, port, events, cfg.work_dir / "supernode.log")
+    executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events)
+    events.status(f"site {cfg.name} connecting to {cfg.coordinator}" + (" (INSECURE: no TLS, no site key)"
+                                                                         if insecure else ""))
+    supervisor.start()
+    try:
+        supervisor.wait_ready()
+        client = executor._client()
+        try:
+            while not stopping():
+                token = executor.acquire(client)
+                if token is None:
+                    time.sleep(cfg.poll_interval)
+                    continue
+                try:
+                    executor.run_task(token)
+                except (CancelledError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # a broken task (e.g. SuperNode restarting) must not end the site
+                    log.exception("task failed")
+                    events.error(f"a task could not be completed: {type(exc).__name__}: {exc}")
+                if once and worker.finished:
+                    break
+        finally:
+            client.close()
+    except CancelledError:
+        pass
+    except FedSMError as exc:
+        events.error(str(exc))
+        raise
+    finally:
+        supervisor.stop()
+    return 0

@@ -1,0 +1,141 @@
+"""What the coordinator tells every site about the run: the method and its hyper-parameters.
+
+A :class:`MethodSpec` is the part of ``federation.toml`` that decides the numbers a site
+computes. The coordinator sends it (as JSON) in every instruction, and each site builds the
+same :class:`engine.fl.methods.FederatedMethod` from it with :func:`build_method`, so both
+halves of a method agree on site order, seeds and hyper-parameters. The defaults and the
+construction mirror ``fedsm simulate`` (:class:`engine.simulate.SimulationConfig`), so a
+network run and a simulation with the same settings compute the same weights.
+
+The compute device is not part of it: each site chooses its own in ``site.toml``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from engine.errors import ConfigError
+
+#: Methods a federation can run over the network.
+FEDERATION_METHODS = ("fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra", "local")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Method, sites and hyper-parameters of one federated run (see ``docs/federation.md``)."""
+
+    method: str
+    task: str
+    site_names: tuple[str, ...]
+    rounds: int = 3
+    seed: int = 0
+    image_size: int = 256
+    lam: float | None = None
+    gamma: float = 0.6
+    prox_mu: float = 0.01
+    extra_rounds: int | None = None
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 1e-3
+    selector_lr: float = 1e-5
+    selector_size: int = 32
+    selector_head: str = "gap"
+
+    def __post_init__(self) -> None:
+        from engine.bundle import check_site_name
+        from engine.simulate import DEFAULT_LAM
+        from engine.tasks import get_task
+
+        get_task(self.task)
+        if self.method not in FEDERATION_METHODS:
+            raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
+                              f"{', '.join(FEDERATION_METHODS)}")
+        names = tuple(self.site_names)
+        for name in names:
+            check_site_name(name)
+        if len(set(names)) != len(names):
+            raise ConfigError(f"site names must be unique, got {list(names)}")
+        if not names:
+            raise ConfigError("a federation needs at least one site; list them in [federation] sites")
+        object.__setattr__(self, "site_names", names)
+        for name in ("rounds", "epochs", "batch_size", "image_size"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.selector_head not in ("gap", "classic"):
+            raise ConfigError(f"selector_head must be 'gap' or 'classic', got {self.selector_head!r}")
+        # the same defaults as `fedsm simulate`: the paper's lam, raised to 1/K for few sites
+        if self.lam is None:
+            object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
+        if self.extra_rounds is None:
+            object.__setattr__(self, "extra_rounds", self.rounds)
+        if self.method in ("fedsm", "fedsm-extra"):
+            from engine.fl.aggregation import check_lam
+
+            check_lam(float(self.lam), len(names))  # type: ignore[arg-type]
+
+    def to_json(self) -> str:
+        """Compact JSON (sorted keys): sent to the sites, stored in checkpoints."""
+        data = asdict(self)
+        data["site_names"] = list(self.site_names)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> MethodSpec:
+        """Parse :meth:`to_json` output; unknown or missing keys raise :class:`ConfigError`."""
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"method description is not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("method description must be a JSON object")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MethodSpec:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"unknown training setting(s) {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**{**raw, "site_names": tuple(raw.get("site_names", ()))})
+        except TypeError as exc:
+            raise ConfigError(f"incomplete training settings: {exc}") from None
+
+    def differences(self, other: MethodSpec) -> list[str]:
+        """Names of the settings in which ``other`` differs from this spec."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+    @property
+    def total_rounds(self) -> int:
+        """Communication rounds the method runs (FedSM adds a calibration round, FedSM-extra more)."""
+        if self.method == "fedsm":
+            return self.rounds + 1
+        if self.method == "fedsm-extra":
+            return self.rounds + int(self.extra_rounds or 0) + 1
+        return self.rounds
+
+    def with_sites(self, names: tuple[str, ...]) -> MethodSpec:
+        return replace(self, site_names=names)
+
+
+def build_method(spec: MethodSpec, device: str = "auto") -> Any:
+    """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
+    from engine.fl import methods as m
+    from engine.fl.local_training import LocalTrainingConfig
+    from engine.tasks import get_task
+
+    task = get_task(spec.task)
+    names = list(spec.site_names)
+    training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
+                                   selector_lr=spec.selector_lr, selector_size=spec.selector_size,
+                                   selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device)
+    if spec.method == "fedprox":
+        return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
+    if spec.method == "fedsm":
+        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma)
+    if spec.method == "fedsm-extra":
+        return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
+                            gamma=spec.gamma, extra_rounds=int(spec.extra_rounds or 1))
+    return m.METHODS[spec.method](task, names, training, spec.seed, spec.rounds)

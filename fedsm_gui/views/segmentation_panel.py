@@ -1,0 +1,218 @@
+"""Segmentation panel: super model, gamma, device, Run/Cancel, routing strip, compare, CDR, export."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (
+    QComboBox,
+    QFileDialog,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QSlider,
+    QVBoxLayout,
+    QWidget,
+)
+
+from fedsm_gui.views.confidence_strip import ConfidenceStrip, model_colour
+
+#: Export formats offered in the save dialog (the engine picks the writer from the suffix).
+EXPORT_FILTERS = "NIfTI (*.nii.gz);;PNG label map (*.png);;DICOM SEG (*.dcm)"
+
+
+def _fmt_dice(value: Any) -> str:
+    return "—" if value is None else f"{float(value):.3f}"
+
+
+class SegmentationPanel(QGroupBox):
+    """Concrete :class:`~fedsm_gui.views.bases.SegmentationView`."""
+
+    load_bundle_requested = Signal(str)
+    gamma_changed = Signal(float)
+    run_requested = Signal()
+    cancel_requested = Signal()
+    force_model_requested = Signal(str)
+    compare_requested = Signal(str)
+    export_requested = Signal(str)
+    strip_slice_requested = Signal(int)
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__("Segmentation (FedSM super model)", parent)
+        self.load_button = QPushButton("Load super model…")
+        self.load_button.clicked.connect(self._browse_bundle)
+        self.bundle_label = QLabel()
+        self.bundle_label.setObjectName("bundle-label")
+        self.bundle_label.setWordWrap(True)
+        self.metadata_label = QLabel()
+        self.metadata_label.setObjectName("bundle-metadata")
+        self.metadata_label.setWordWrap(True)
+        self.metadata_label.setTextFormat(Qt.TextFormat.RichText)
+
+        self.gamma = QSlider(Qt.Orientation.Horizontal)
+        self.gamma.setObjectName("gamma-slider")
+        self.gamma.setRange(0, 100)
+        self.gamma.valueChanged.connect(lambda v: self.gamma_changed.emit(v / 100.0))
+        self.gamma_label = QLabel("γ —")
+        self.device_label = QLabel("device: —")
+        self.device_label.setObjectName("device-label")
+        self.device_label.setWordWrap(True)
+        self.model_combo = QComboBox()
+        self.model_combo.setObjectName("force-model")
+        self.model_combo.activated.connect(self._forced)
+
+        self.run_button = QPushButton("Run")
+        self.run_button.setObjectName("run-button")
+        self.run_button.clicked.connect(self.run_requested)
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setObjectName("cancel-button")
+        self.cancel_button.clicked.connect(self.cancel_requested)
+        self.progress = QProgressBar()
+        self.progress.setObjectName("segmentation-progress")
+        self.status_label = QLabel()
+        self.status_label.setObjectName("segmentation-status")
+        self.status_label.setWordWrap(True)
+
+        self.strip = ConfidenceStrip()
+        self.strip.slice_clicked.connect(self.strip_slice_requested)
+        self.current_label = QLabel("")
+        self.current_label.setObjectName("current-routing")
+        self.current_label.setWordWrap(True)
+        self.current_label.setTextFormat(Qt.TextFormat.RichText)
+        self.compare_button = QPushButton("Compare with runner-up")
+        self.compare_button.setObjectName("compare-button")
+        self.compare_button.clicked.connect(lambda: self.compare_requested.emit(""))
+        self.cdr_label = QLabel("")
+        self.cdr_label.setObjectName("cdr-label")
+        self.export_button = QPushButton("Export mask…")
+        self.export_button.setObjectName("export-button")
+        self.export_button.clicked.connect(self._browse_export)
+
+        gamma_row = QHBoxLayout()
+        gamma_row.addWidget(self.gamma, 1)
+        gamma_row.addWidget(self.gamma_label)
+        run_row = QHBoxLayout()
+        run_row.addWidget(self.run_button)
+        run_row.addWidget(self.cancel_button)
+        run_row.addWidget(self.progress, 1)
+        form = QFormLayout()
+        form.addRow("Gamma", gamma_row)
+        form.addRow("Model", self.model_combo)
+        layout = QVBoxLayout(self)
+        top = QHBoxLayout()
+        top.addWidget(self.load_button)
+        top.addWidget(self.bundle_label, 1)
+        layout.addLayout(top)
+        layout.addWidget(self.metadata_label)
+        layout.addLayout(form)
+        layout.addWidget(self.device_label)
+        layout.addLayout(run_row)
+        layout.addWidget(self.status_label)
+        layout.addWidget(QLabel("Routing per slice (colour: model, height: selector confidence)"))
+        layout.addWidget(self.strip)
+        layout.addWidget(self.current_label)
+        bottom = QHBoxLayout()
+        bottom.addWidget(self.compare_button)
+        bottom.addWidget(self.export_button)
+        layout.addLayout(bottom)
+        layout.addWidget(self.cdr_label)
+        layout.addStretch(1)
+        self._gamma_value: float | None = None
+
+    # --- dialogs -------------------------------------------------------------------------
+    def _browse_bundle(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Load super model", "", "FedSM bundle (*.safetensors)")
+        if path:
+            self.load_bundle_requested.emit(path)
+
+    def _browse_export(self) -> None:
+        path, chosen = QFileDialog.getSaveFileName(self, "Export mask", "mask.nii.gz", EXPORT_FILTERS)
+        if path:
+            suffix = {"NIfTI": ".nii.gz", "PNG": ".png", "DICOM": ".dcm"}
+            for key, ext in suffix.items():
+                if chosen.startswith(key) and not path.lower().endswith(ext):
+                    path += ext
+            self.export_requested.emit(path)
+
+    def _forced(self, index: int) -> None:
+        self.force_model_requested.emit(self.model_combo.itemData(index) or "")
+
+    # --- SegmentationView ----------------------------------------------------------------
+    def set_metadata(self, path: str | None, metadata: dict[str, Any] | None, message: str = "") -> None:
+        if metadata is None:
+            self.bundle_label.setText("")
+            self.metadata_label.setText(f"<i>{message}</i>".replace("\n", "<br>"))
+            return
+        self.bundle_label.setText(Path(path).name if path else "")
+        self.bundle_label.setToolTip(path or "")
+        dice = metadata.get("val_dice", {}) or {}
+        rows = "".join(f"<tr><td>{site}</td><td align='right'>{_fmt_dice(dice.get(site))}</td></tr>"
+                       for site in metadata.get("site_names", []))
+        self.metadata_label.setText(
+            f"<b>{metadata.get('task', '?')}</b> · {metadata.get('method', '?')} · "
+            f"{len(metadata.get('site_names', []))} sites · {metadata.get('rounds', '?')} rounds · "
+            f"λ {metadata.get('lam', '?')} · γ {metadata.get('gamma', '?')} · routing {metadata.get('routing', '?')}"
+            f"<br>labels: {', '.join(metadata.get('label_names', []))}"
+            f"<table><tr><th align='left'>site</th><th>validation Dice</th></tr>{rows}</table>")
+
+    def set_gamma(self, gamma: float | None, enabled: bool) -> None:
+        self._gamma_value = gamma if enabled else None
+        self.gamma.blockSignals(True)
+        self.gamma.setValue(round((gamma or 0.0) * 100))
+        self.gamma.blockSignals(False)
+        self.gamma.setEnabled(enabled)
+        self.gamma_label.setText("γ —" if gamma is None else (f"γ {gamma:.2f}" if enabled else "argmax routing"))
+
+    def set_device(self, text: str) -> None:
+        self.device_label.setText(f"device: {text}")
+
+    def set_models(self, names: Sequence[str], forced: str | None) -> None:
+        self.model_combo.blockSignals(True)
+        self.model_combo.clear()
+        self.model_combo.addItem("routed by the selector", "")
+        for name in names:
+            label = "global model" if name == "global" else f"personalized model of {name}"
+            self.model_combo.addItem(f"force: {label}", name)
+        self.model_combo.setCurrentIndex(self.model_combo.findData(forced or ""))
+        self.model_combo.blockSignals(False)
+        self.model_combo.setEnabled(bool(names))
+
+    def set_run_state(self, status: str, done: int, total: int, message: str, can_run: bool) -> None:
+        running = status == "running"
+        self.run_button.setEnabled(can_run and not running)
+        self.cancel_button.setEnabled(running)
+        self.progress.setRange(0, max(total, 1) if (total or not running) else 0)
+        self.progress.setValue(done if total else 0)
+        text = {"no-model": "", "ready": "Ready: press Run.", "running": "Segmenting…", "done": "Done."}[status]
+        self.status_label.setText(message if message else text)
+        self.status_label.setStyleSheet("color: #c33;" if message and message != "cancelled" else "")
+        self.export_button.setEnabled(status == "done")
+        self.compare_button.setEnabled(status == "done")
+
+    def set_routing(self, strip: Sequence[tuple[str, float]], model_names: Sequence[str], current: int) -> None:
+        self.strip.set_data(strip, model_names, current, self._gamma_value)
+
+    def set_current(self, index: int | None, model: str | None, confidence: float | None,
+                    probabilities: dict[str, float], runner_up: str | None) -> None:
+        if index is None or model is None:
+            self.current_label.setText("")
+            return
+        colour = model_colour(model, self.strip.model_names).name()
+        probs = " · ".join(f"{k} {v:.2f}" for k, v in sorted(probabilities.items(), key=lambda kv: -kv[1]))
+        self.current_label.setText(
+            f"Slice {index + 1}: <b style='color:{colour}'>{model}</b> model, confidence {confidence:.2f}"
+            f"<br>selector: {probs}<br>runner-up: {runner_up or '—'}")
+
+    def set_cup_to_disc(self, model_value: float | None, reference_value: float | None) -> None:
+        parts = []
+        if model_value is not None:
+            parts.append(f"model {model_value:.2f}")
+        if reference_value is not None:
+            parts.append(f"reference {reference_value:.2f}")
+        self.cdr_label.setText(f"Vertical cup-to-disc ratio: {', '.join(parts)}" if parts else "")

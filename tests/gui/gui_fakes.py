@@ -1,0 +1,96 @@
+"""Synchronous stand-ins for the Qt runners, so controllers are tested without Qt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.errors import CancelledError
+
+
+class SyncHandle:
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.done = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class SyncTaskRunner:
+    """Runs every job at once on the calling thread; records what was submitted."""
+
+    def __init__(self) -> None:
+        self.submitted = 0
+
+    def submit(self, job, *, on_done, on_error, on_progress=None) -> SyncHandle:
+        self.submitted += 1
+        handle = SyncHandle()
+
+        def progress(event: dict[str, Any]) -> None:
+            if on_progress is not None:
+                on_progress(event)
+
+        try:
+            result = job(progress, lambda: handle.cancelled)
+        except Exception as exc:  # delivered as data, like the Qt runner
+            handle.done = True
+            on_error(exc)
+            return handle
+        handle.done = True
+        on_done(result)
+        return handle
+
+
+class DeferredTaskRunner:
+    """Keeps jobs until :meth:`run_all`, to test what happens while work is in flight."""
+
+    def __init__(self) -> None:
+        self.jobs: list[tuple[Any, SyncHandle, Any, Any, Any]] = []
+
+    def submit(self, job, *, on_done, on_error, on_progress=None) -> SyncHandle:
+        handle = SyncHandle()
+        self.jobs.append((job, handle, on_done, on_error, on_progress))
+        return handle
+
+    def run_all(self) -> None:
+        jobs, self.jobs = self.jobs, []
+        for job, handle, on_done, on_error, on_progress in jobs:
+            try:
+                if handle.cancelled:
+                    raise CancelledError("cancelled")
+                result = job(on_progress or (lambda e: None), lambda h=handle: h.cancelled)
+            except Exception as exc:
+                handle.done = True
+                on_error(exc)
+                continue
+            handle.done = True
+            on_done(result)
+
+
+class FakeProcess:
+    """Records start/stop; the test feeds output lines and the exit by hand."""
+
+    def __init__(self) -> None:
+        self.argv: list[str] | None = None
+        self.on_line: Callable[[str], None] | None = None
+        self.on_exit: Callable[[int, bool], None] | None = None
+        self.stopped = False
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def start(self, argv: Sequence[str], *, on_line, on_exit) -> None:
+        self.argv, self.on_line, self.on_exit = list(argv), on_line, on_exit
+        self._running = True
+
+    def stop(self, timeout_ms: int = 5000) -> None:
+        self.stopped = True
+        self.exit(0, True)
+
+    def exit(self, code: int, stopped: bool = False) -> None:
+        self._running = False
+        assert self.on_exit is not None
+        self.on_exit(code, stopped)

@@ -1,0 +1,93 @@
+"""The simulated demo site: its event stream, and Join/Leave from the panel through QProcess."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.federation.demo_site import run_demo_site
+from engine.federation.events import EVENT_KINDS
+
+#: Keys each event kind must carry (the ``fedsm site --json`` schema the panel reads).
+REQUIRED = {
+    "status": {"message"}, "connected": {"coordinator"}, "round_start": {"round", "rounds", "method"},
+    "received": {"round", "rounds", "method", "bytes", "contents"},
+    "batch": {"round", "batch", "batches", "loss", "method"}, "metrics": {"round", "loss", "dice"},
+    "sent": {"round", "bytes", "contents"}, "round_end": {"round", "rounds", "wall_s"}, "finished": {"rounds"},
+}
+
+
+@pytest.fixture(scope="module")
+def site_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shared by the tests here, so the synthetic sites are written once."""
+    return tmp_path_factory.mktemp("demo-site")
+
+
+def test_demo_site_reports_one_sites_real_traffic(site_workdir):
+    from engine.fl.weights import payload_bytes
+    from engine.models import build_segmentation_net, build_selector
+
+    events: list[dict] = []
+    assert run_demo_site(site_workdir, site="site2", rounds=1, image_size=32, emit=events.append) == 0
+    kinds = [e["event"] for e in events]
+    assert kinds[:2] == ["status", "connected"] and kinds[-1] == "finished"
+    assert set(kinds) <= set(EVENT_KINDS)
+    for event in events:
+        assert REQUIRED.get(event["event"], set()) <= set(event), event
+    # round 1 trains (FedSM's three networks), round 2 calibrates the selector
+    received = [e for e in events if e["event"] == "received"]
+    sent = [e for e in events if e["event"] == "sent"]
+    assert [e["round"] for e in received] == [1, 2] and [e["round"] for e in sent] == [1, 2]
+    unet = payload_bytes(build_segmentation_net(3, 2).state_dict())
+    selector = payload_bytes(build_selector(3, 3, "gap").state_dict())
+    assert received[0]["bytes"] == sent[0]["bytes"] == 2 * unet + selector
+    assert set(received[0]["contents"]) == {"global", "personal", "selector"}
+    assert received[1]["contents"] == {"selector": len(build_selector(3, 3, "gap").state_dict())}
+    assert set(sent[1]["contents"]["tensors"]) == {"selector_stats"} and sent[1]["bytes"] < selector
+    assert sent[0]["contents"]["num_examples"] > 0
+    metrics = [e for e in events if e["event"] == "metrics"]
+    assert len(metrics) == 1 and set(metrics[0]["dice"]) == {"global", "personalized", "local"}
+    assert all(0.0 <= v <= 1.0 for v in metrics[0]["dice"].values())
+    batches = [e for e in events if e["event"] == "batch"]
+    assert batches and batches[-1]["batch"] == batches[-1]["batches"]
+
+
+def test_demo_site_stops_cleanly_when_cancelled(site_workdir):
+    events: list[dict] = []
+    code = run_demo_site(site_workdir, site="site1", rounds=3, image_size=32, emit=events.append,
+                         cancel=lambda: any(e["event"] == "batch" for e in events))
+    assert code == 0
+    assert events[-1] == {**events[-1], "event": "disconnected", "reconnecting": False}
+    assert not any(e["event"] == "finished" for e in events)
+
+
+def test_demo_site_refuses_an_unknown_site(site_workdir):
+    from engine.errors import FedSMError
+
+    with pytest.raises(FedSMError, match="site9"):
+        run_demo_site(site_workdir, site="site9", rounds=1, image_size=32, emit=lambda e: None)
+
+
+@pytest.mark.slow
+def test_join_shows_live_progress_and_leave_stops_the_site(fedsm_app, qtbot, site_workdir):
+    app = fedsm_app
+    app.federation.demo_workdir = site_workdir
+    app.federation.demo_rounds = 3
+    panel = app.window.federation_panel
+    panel.join_button.click()
+    assert app.process.running and not panel.join_button.isEnabled()
+    # site1 trains first in every round, so its first upload arrives early in round 1
+    qtbot.waitUntil(lambda: any(e.direction == "sent" for e in app.federation_state.ledger), timeout=90_000)
+    state = app.federation_state
+    assert state.status == "connected" and state.round == 1 and state.rounds == 4
+    assert panel.round_label.text() == "Round 1 of 4"
+    assert panel.ledger.rowCount() >= 2 and panel.ledger.item(1, 1).text() == "↑ sent"
+    assert "sample count" in panel.ledger.item(1, 3).text()
+    assert panel.dice_plot.series and set(panel.dice_plot.series) == {"global", "personalized", "local"}
+    assert "received" in panel.log.toPlainText() and "connected to in-process demo" in panel.log.toPlainText()
+    assert panel.progress.maximum() >= 1
+    panel.leave_button.click()
+    qtbot.waitUntil(lambda: not app.process.running, timeout=30_000)
+    assert state.status == "stopped" and panel.join_button.isEnabled()
+    assert state.round < state.rounds  # it really left mid-run
