@@ -38,6 +38,7 @@ __all__ = [
     "describe_device",
     "export_mask",
     "infer",
+    "preload_super_model",
     "prepare_demo",
     "read_bundle_metadata",
     "read_provenance",
@@ -65,11 +66,13 @@ def simulate(out_dir: Path, progress: ProgressFn | None = None, cancel: Callable
 
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
-          progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Segment an image, a volume or a folder with a super-model bundle; see ``fedsm infer``."""
+          progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
+          mask_format: str | None = None) -> dict[str, Any]:
+    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``."""
     from engine.inference.run import infer_path
 
-    return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress)
+    return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
+                      cancel=cancel, mask_format=mask_format)
 
 
 def read_bundle_metadata(path: Path) -> dict[str, Any]:
@@ -86,6 +89,18 @@ def demo_site_command(workdir: Path, site: str = "site1", rounds: int = 3) -> li
     from engine.federation.demo_site import demo_site_command as command
 
     return command(Path(workdir), site=site, rounds=rounds)
+
+
+def preload_super_model(path: Path, device: str = "auto") -> dict[str, Any]:
+    """Load a bundle's networks into the inference cache, so the next ``segment_study`` with it starts at once.
+
+    Returns ``{"sha256", "device"}`` of the loaded model. The desktop app calls it when a bundle is
+    opened (in a worker), so Run does not first spend seconds importing MONAI and building networks.
+    """
+    from engine.inference.study import load_predictor
+
+    loaded = load_predictor(Path(path), device)
+    return {"sha256": loaded.sha256, "device": str(loaded.predictor.device)}
 
 
 def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,

@@ -66,10 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("infer", help="segment images or volumes with a super-model bundle")
     p.add_argument("--model", type=Path, required=True, help="super-model .safetensors bundle")
-    p.add_argument("--input", type=Path, required=True, help="image, NIfTI volume, or a folder of them")
+    p.add_argument("--input", type=Path, required=True,
+                   help="photo, volume (NIfTI, MHA, NRRD), a DICOM series folder, or a folder of them")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--gamma", type=float, default=None, help="routing threshold (default: the bundle's)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--format", dest="mask_format", choices=["nifti", "png", "dicom-seg"], default=None,
+                   help="mask format (default: nifti for volumes, png for photos; dicom-seg needs DICOM input)")
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -121,7 +124,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "infer":
         setup_logging(args.verbose)
-        summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device)
+        summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
+                            mask_format=args.mask_format)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "

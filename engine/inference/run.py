@@ -1,65 +1,78 @@
 """Segment files on disk with a super-model bundle and record which model handled what.
 
-One call reads a photo, a volume or a folder of them, writes one mask per input beside a
-``routing.json`` that says, per image or slice, which model segmented it and how sure the
-selector was.
+One call reads a photo, a volume (NIfTI, MHA/NRRD, a DICOM series folder) or a folder of them,
+segments each through :func:`engine.inference.study.segment_with` (the path the desktop app uses
+too) and writes one mask per input through :func:`engine.io.export.export_mask`, with its
+provenance, beside a ``routing.json`` that says, per image or slice, which model segmented it and
+how sure the selector was.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections import Counter
+import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import engine
-from engine.bundle.supermodel import SuperModelBundle, file_sha256, load_bundle
-from engine.data.preprocess import (
-    fundus_channels_to_label,
-    normalise_rgb,
-    normalise_volume,
-    slices_to_volume,
-    volume_to_slices,
-)
-from engine.errors import DataError
-from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
+from engine.errors import ConfigError, DataError
+from engine.inference.predictor import CancelCheck, ProgressCallback
+from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
-from engine.io.files import read_nifti, read_rgb_image, write_label_png, write_nifti
+from engine.io.export import export_mask
+from engine.io.provenance import utc_now
 from engine.tasks import TaskSpec, get_task
+
+log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
-VOLUME_SUFFIXES = (".nii", ".nii.gz")
+VOLUME_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr")
 ROUTING_FILE = "routing.json"
-_SUPPORTED = f"2D photos ({', '.join(IMAGE_SUFFIXES)}) or NIfTI volumes ({', '.join(VOLUME_SUFFIXES)})"
+#: ``--format`` choices and the mask file ending each writes.
+MASK_FORMATS = {"nifti": ".nii.gz", "png": ".png", "dicom-seg": ".dcm"}
+_SUPPORTED = (
+    f"2D photos ({', '.join(IMAGE_SUFFIXES)}), volumes ({', '.join(VOLUME_SUFFIXES)}) or a folder holding "
+    "a DICOM series"
+)
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True)
 class _Input:
+    """One thing to segment: a file, or one DICOM series of a folder."""
+
     path: Path
     volumetric: bool
+    stem: str
+    series_uid: str | None = None
+    slices_hint: int = 1  # header estimate, for an up-front progress total
 
     @property
-    def stem(self) -> str:
-        name = self.path.name
-        for suffix in (".nii.gz", *IMAGE_SUFFIXES, ".nii"):
-            if name.lower().endswith(suffix):
-                return name[: -len(suffix)]
-        return self.path.stem
+    def is_dicom(self) -> bool:
+        return self.series_uid is not None
 
-    @property
-    def mask_name(self) -> str:
-        return f"{self.stem}_mask.nii.gz" if self.volumetric else f"{self.stem}_mask.png"
+    def mask_name(self, fmt: str) -> str:
+        return f"{self.stem}_mask{MASK_FORMATS[fmt]}"
+
+    def describe(self) -> str:
+        return f"{self.path} (series {self.series_uid})" if self.is_dicom else str(self.path)
 
 
-def _kind(path: Path) -> bool | None:
-    """True for a volume, False for a 2D photo, None for an unsupported file."""
+def _file_stem(path: Path) -> str:
+    name = path.name
+    for suffix in (*VOLUME_SUFFIXES, *IMAGE_SUFFIXES):
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+def _file_kind(path: Path) -> bool | None:
+    """True for a volume file, False for a 2D photo, None for anything else."""
     name = path.name.lower()
     if name.endswith(VOLUME_SUFFIXES):
         return True
@@ -68,94 +81,128 @@ def _kind(path: Path) -> bool | None:
     return None
 
 
-def _collect_inputs(input_path: Path, out_dir: Path) -> list[_Input]:
-    if not input_path.exists():
-        raise DataError(f"{input_path}: not found; choose an image, a NIfTI volume or a folder of them")
-    if input_path.is_file():
-        kind = _kind(input_path)
-        if kind is None:
-            raise DataError(f"{input_path}: unsupported file type; supported are {_SUPPORTED}")
-        return [_Input(input_path, kind)]
-    # A folder: its supported files, in name order. Masks this tool wrote into the same folder on
-    # an earlier run are skipped, so running twice does not segment the masks.
-    writes_here = out_dir.resolve() == input_path.resolve()
+def _volume_slices_hint(path: Path) -> int:
+    """Axial slices of a volume file from its header only (closest-to-superior voxel axis)."""
+    import numpy as np
+
+    try:
+        if path.name.lower().endswith((".nii", ".nii.gz")):
+            import nibabel as nib
+
+            img = nib.load(str(path))
+            shape, axes = img.shape, np.abs(np.asarray(img.affine)[2, :3])
+        else:
+            import SimpleITK as sitk
+
+            reader = sitk.ImageFileReader()
+            reader.SetFileName(str(path))
+            reader.ReadImageInformation()
+            shape = reader.GetSize()
+            axes = np.abs(np.asarray(reader.GetDirection()).reshape(3, 3)[2]) if len(shape) == 3 else None
+    except Exception:  # a broken file is reported properly when it is read
+        return 1
+    if len(shape) < 3 or axes is None:
+        return 1
+    return int(shape[int(np.argmax(axes[: len(shape)]))])
+
+
+def _dicom_inputs(folder: Path) -> list[_Input]:
+    """Each image series of a DICOM folder (SEG objects are masks, not images, and are skipped)."""
+    from engine.io.readers import list_series
+
+    found = [info for info in list_series(folder) if info.modality != "SEG"]
     inputs = []
-    for path in sorted(input_path.iterdir()):
-        kind = _kind(path)
-        if kind is None or not path.is_file() or path.name.startswith("."):
-            continue
-        item = _Input(path, kind)
-        if writes_here and item.stem.endswith("_mask"):
-            continue
-        inputs.append(item)
-    if not inputs:
-        raise DataError(f"{input_path}: the folder holds no files to segment; supported are {_SUPPORTED}")
+    for info in found:
+        stem = folder.name
+        if len(found) > 1:  # several series: tell their masks apart by description and UID tail
+            label = _UNSAFE.sub("_", info.description).strip("_")[:40]
+            stem = f"{folder.name}_{label}_{info.uid[-8:]}" if label else f"{folder.name}_{info.uid[-8:]}"
+        inputs.append(_Input(folder, True, stem, series_uid=info.uid, slices_hint=max(int(info.count), 1)))
     return inputs
 
 
-def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle: SuperModelBundle) -> None:
-    """Fail before any work when an input does not suit the bundle's task or two masks collide."""
+def _has_dicom_candidates(folder: Path, known: set[Path]) -> bool:
+    return any(
+        p.is_file() and not p.name.startswith(".") and p not in known and p.name != ROUTING_FILE
+        and not p.name.endswith(".json")
+        for p in folder.iterdir()
+    )
+
+
+def _collect_inputs(input_path: Path, out_dir: Path) -> list[_Input]:
+    if not input_path.exists():
+        raise DataError(f"{input_path}: not found; choose an image, a volume, a DICOM folder or a folder of them")
+    if input_path.is_file():
+        kind = _file_kind(input_path)
+        if kind is None:
+            raise DataError(
+                f"{input_path}: unsupported file type; supported are {_SUPPORTED} (for DICOM, give the folder)"
+            )
+        hint = _volume_slices_hint(input_path) if kind else 1
+        return [_Input(input_path, kind, _file_stem(input_path), slices_hint=hint)]
+    # A folder: its supported files in name order, then its DICOM series. Masks this tool wrote
+    # into the same folder on an earlier run are skipped, so running twice does not segment them.
+    writes_here = out_dir.resolve() == input_path.resolve()
+    inputs = []
+    files = set()
+    for path in sorted(input_path.iterdir()):
+        kind = _file_kind(path)
+        if kind is None or not path.is_file() or path.name.startswith("."):
+            continue
+        files.add(path)
+        if writes_here and _file_stem(path).endswith("_mask"):
+            continue
+        hint = _volume_slices_hint(path) if kind else 1
+        inputs.append(_Input(path, kind, _file_stem(path), slices_hint=hint))
+    if _has_dicom_candidates(input_path, files):
+        inputs.extend(_dicom_inputs(input_path))
+    if not inputs:
+        raise DataError(f"{input_path}: the folder holds nothing to segment; supported are {_SUPPORTED}")
+    return inputs
+
+
+def _resolve_format(fmt: str | None, item: _Input) -> str:
+    if fmt is None:
+        return "nifti" if item.volumetric else "png"
+    return fmt
+
+
+def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: str | None) -> None:
+    """Fail before any work when an input does not suit the bundle, the format, or two masks collide."""
     for item in inputs:
         if item.volumetric and not task.volumetric:
             raise DataError(
-                f"{item.path}: is a NIfTI volume, but the bundle {bundle.describe()} segments {task.name} "
+                f"{item.describe()}: is a volume, but the bundle {bundle_name} segments {task.name} "
                 f"(2D photos: {', '.join(IMAGE_SUFFIXES)}); choose a {task.name} photo or a volume bundle"
             )
         if not item.volumetric and task.volumetric:
             raise DataError(
-                f"{item.path}: is a 2D photo, but the bundle {bundle.describe()} segments {task.name} "
-                f"(MRI volumes: {', '.join(VOLUME_SUFFIXES)}); choose a NIfTI volume or a fundus bundle"
+                f"{item.describe()}: is a 2D photo, but the bundle {bundle_name} segments {task.name} "
+                f"(volumes: {', '.join(VOLUME_SUFFIXES)} or DICOM series); choose a volume or a fundus bundle"
+            )
+        chosen = _resolve_format(fmt, item)
+        if chosen == "png" and item.volumetric:
+            raise DataError(f"{item.describe()}: is a volume and PNG holds one 2D image; use --format nifti")
+        if chosen == "dicom-seg" and not item.is_dicom:
+            raise DataError(
+                f"{item.describe()}: a DICOM SEG must reference a DICOM series and this input is not one; "
+                "use --format nifti"
             )
     by_mask: dict[str, list[str]] = {}
     for item in inputs:
-        by_mask.setdefault(item.mask_name, []).append(item.path.name)
+        by_mask.setdefault(item.mask_name(_resolve_format(fmt, item)), []).append(item.describe())
     clashes = {mask: names for mask, names in by_mask.items() if len(names) > 1}
     if clashes:
         mask, names = next(iter(clashes.items()))
         raise DataError(f"inputs {', '.join(names)} would all be written to {mask}; rename all but one")
 
 
-def _count_images(item: _Input) -> int:
-    """Images (slices) an input holds, read from the header only, for an up-front progress total."""
-    if not item.volumetric:
-        return 1
-    import nibabel as nib
+def _open(item: _Input) -> Any:
+    from engine.io.readers import open_study
 
-    try:
-        shape = nib.load(str(item.path)).shape
-    except Exception:  # a broken file is reported properly when it is read
-        return 1
-    return int(shape[2]) if len(shape) >= 3 else 1
-
-
-def _label_map(task: TaskSpec, masks: np.ndarray) -> np.ndarray:
-    """Binary ``(L, ...)`` masks -> ``uint8`` label map of shape ``(...)``.
-
-    Fundus uses the ORIGA convention (0 background, 1 rim, 2 cup); other tasks write channel
-    ``i`` as value ``i + 1``, later channels winning where structures overlap.
-    """
-    if task.name == "fundus":
-        return fundus_channels_to_label(masks)
-    label = np.zeros(masks.shape[1:], dtype=np.uint8)
-    for channel in range(masks.shape[0]):
-        label[masks[channel] > 0] = channel + 1
-    return label
-
-
-def _image_records(
-    prediction: Prediction, model_names: list[str], prob_names: list[str]
-) -> list[dict[str, Any]]:
-    return [
-        {
-            "index": i,
-            "model": model_names[int(prediction.routed[i])],
-            "confidence": float(prediction.confidence[i]),
-            "probabilities": {
-                name: float(p) for name, p in zip(prob_names, prediction.probabilities[i], strict=True)
-            },
-        }
-        for i in range(len(prediction.routed))
-    ]
+    if item.is_dicom:
+        return open_study(item.path, series_uid=item.series_uid)
+    return open_study(item.path)
 
 
 def infer_path(
@@ -167,65 +214,70 @@ def infer_path(
     progress: ProgressCallback | None = None,
     cancel: CancelCheck | None = None,
     batch_size: int = 16,
+    mask_format: str | None = None,
 ) -> dict[str, Any]:
-    """Segment a photo, a volume, or every such file in a folder, with a super-model bundle.
+    """Segment a photo, a volume, a DICOM series, or every such input in a folder.
 
     Parameters
     ----------
     bundle_path
         The super-model ``.safetensors`` file.
     input_path
-        A 2D photo (PNG/JPG/JPEG/TIF/TIFF/BMP; fundus bundles), a NIfTI volume (.nii/.nii.gz;
-        prostate bundles, segmented slice by slice in one batched call) or a folder of them
-        (not recursive).
+        A 2D photo (PNG/JPG/JPEG/TIF/TIFF/BMP; fundus bundles), a volume (NIfTI, MHA/MHD,
+        NRRD/NHDR; prostate bundles), a folder holding a DICOM series (every image series in it
+        is segmented; SEG objects are skipped), or a folder of those (not recursive). Volumes are
+        segmented as axial slices of their canonical RAS+ form in one batched call.
     out_dir
-        Created if needed. Receives ``<stem>_mask.png`` (ORIGA label map: 0 background,
-        1 rim, 2 cup) or ``<stem>_mask.nii.gz`` (``uint8`` labels, the source's affine) per
-        input, and ``routing.json``.
+        Created if needed. Receives ``<stem>_mask.<ext>`` per input (``<stem>`` is the file name
+        without suffix, or the DICOM folder's name), provenance sidecars for NIfTI and DICOM SEG
+        masks (see :mod:`engine.io.export`), and ``routing.json``.
     gamma
         Routing threshold; ``None`` uses the bundle's. Ignored by FedSM-extra bundles.
     device
         See :func:`engine.inference.device.resolve_device`.
     progress
         ``(done, total)`` over all inputs, in image-steps (each image or slice counts once for the
-        selector and once for its U-Net).
+        selector and once for its U-Net). The total comes from file headers up front and is
+        corrected when an input turns out to hold another number of axial slices.
     cancel
         Checked before every batch; raises :class:`engine.errors.CancelledError` when it returns True.
     batch_size
         Images or slices per forward pass.
+    mask_format
+        ``"nifti"`` (``.nii.gz``), ``"png"`` (photos) or ``"dicom-seg"`` (``.dcm``, DICOM inputs);
+        ``None``: NIfTI for volumes, PNG for photos.
 
     Returns
     -------
     dict
         The content of ``routing.json``: bundle path and SHA-256, gamma, device, and per input
-        its mask file and one record per image or slice (index, model, confidence,
-        probabilities by name).
+        its mask file, format and one record per image or slice (index, model, confidence,
+        probabilities by name, runner-up).
 
     Raises
     ------
     DataError
         Missing input, unsupported file type, empty folder, an input that does not fit the
-        bundle's task, or an unreadable file.
+        bundle's task or the mask format, or an unreadable file.
     BundleError
         When the bundle cannot be used.
+    ConfigError
+        Unknown mask format, bad gamma or batch size.
     """
     bundle_file = Path(bundle_path)
     source = Path(input_path)
     out = Path(out_dir)
+    if mask_format is not None and mask_format not in MASK_FORMATS:
+        raise ConfigError(f"unknown mask format {mask_format!r}; choose one of {', '.join(MASK_FORMATS)}")
     inputs = _collect_inputs(source, out)
 
-    bundle = load_bundle(bundle_file)
-    bundle_sha256 = file_sha256(bundle_file)
-    meta = bundle.metadata
+    loaded: LoadedBundle = load_predictor(bundle_file, device)
+    meta = loaded.predictor.metadata
     task = get_task(meta.task)  # known: load_bundle validated the metadata
-    _check_inputs(inputs, task, bundle)
-    predictor = SuperModelPredictor(bundle, device=device)
-    del bundle  # the networks hold their own copy; the classic selector alone is ~0.5 GB
+    _check_inputs(inputs, task, loaded.name, mask_format)
 
-    model_names = meta.model_names
-    prob_names = model_names if meta.routing == "argmax" else list(meta.site_names)
-    counts = [_count_images(item) for item in inputs]
-    total = 2 * sum(counts)
+    hints = [item.slices_hint for item in inputs]
+    total = 2 * sum(hints)
     offset = 0
 
     def relay(done: int, _total: int) -> None:
@@ -234,47 +286,37 @@ def infer_path(
 
     records: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)
-    for item, count in zip(inputs, counts, strict=True):
-        mask_path = out / item.mask_name
-        if item.volumetric:
-            volume, affine = read_nifti(item.path)
-            slices = volume_to_slices(normalise_volume(volume))
-            prediction = predictor.predict(
-                slices, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel
-            )
-            # (Z, L, X, Y) -> (L, Z, X, Y): the label rule works on any trailing shape.
-            labels = _label_map(task, prediction.masks.transpose(1, 0, 2, 3))
-            write_nifti(mask_path, slices_to_volume(labels), affine)
-            shape = list(volume.shape)
-        else:
-            image = read_rgb_image(item.path)
-            prediction = predictor.predict(
-                normalise_rgb(image)[None], gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel
-            )
-            write_label_png(mask_path, _label_map(task, prediction.masks[0]))
-            shape = list(image.shape[:2])
-        offset += 2 * count
-        used = Counter(model_names[int(k)] for k in prediction.routed)
-        records.append(
-            {
-                "input": str(item.path.resolve()),
-                "mask": mask_path.name,
-                "kind": "volume" if item.volumetric else "image",
-                "shape": shape,
-                "models_used": dict(sorted(used.items())),
-                "images": _image_records(prediction, model_names, prob_names),
-            }
-        )
+    for n, item in enumerate(inputs):
+        study = _open(item)
+        # Correct the up-front estimate with the real number of axial slices.
+        total += 2 * (study.num_slices - hints[n])
+        seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel)
+        offset += 2 * study.num_slices
+        fmt = _resolve_format(mask_format, item)
+        mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
+        record: dict[str, Any] = {
+            "input": str(item.path.resolve()),
+            "mask": mask_path.name,
+            "format": fmt,
+            "kind": "volume" if item.volumetric else "image",
+            "shape": list(study.shape),
+            "models_used": seg.models_used,
+            "images": [r.to_dict() for r in seg.records],
+        }
+        if item.is_dicom:
+            record["series_uid"] = item.series_uid
+        records.append(record)
+        log.info("segmented %s -> %s", item.describe(), mask_path)
 
     result: dict[str, Any] = {
-        "bundle": {"path": str(bundle_file.resolve()), "sha256": bundle_sha256},
+        "bundle": {"path": str(bundle_file.resolve()), "sha256": loaded.sha256},
         "task": meta.task,
         "method": meta.method,
         "routing": meta.routing,
         "gamma": (meta.gamma if gamma is None else float(gamma)) if meta.routing == "gamma" else None,
-        "device": str(predictor.device),
-        "mixed_precision": predictor.use_amp,
-        "created": datetime.now(UTC).replace(microsecond=0).isoformat(),
+        "device": str(loaded.predictor.device),
+        "mixed_precision": loaded.predictor.use_amp,
+        "created": utc_now(),
         "engine_version": engine.__version__,
         "inputs": records,
     }

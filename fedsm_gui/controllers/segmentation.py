@@ -12,6 +12,7 @@ from engine.io.study import Study
 from fedsm_gui.controllers.errors import is_cancelled, user_message
 from fedsm_gui.controllers.runners import TaskHandle, TaskRunner
 from fedsm_gui.controllers.study import progress_pair
+from fedsm_gui.models.display import Slicer
 from fedsm_gui.models.measurements import vertical_cup_to_disc
 from fedsm_gui.models.overlay import MODEL_LAYER, REFERENCE_LAYER, OverlayState
 from fedsm_gui.models.segmentation import DONE, NO_MODEL, RUNNING, SegmentationState
@@ -53,6 +54,10 @@ class SegmentationController:
         view.export_requested.connect(self.export)
         view.strip_slice_requested.connect(self.go_to_slice)
         self.refresh()
+        # Which device will run the model, asked at start-up: it also imports torch in a worker
+        # now, instead of stalling the first bundle load.
+        self.tasks.submit(lambda progress, cancel: self.api.describe_device("auto"), on_done=state.set_device,
+                          on_error=lambda exc: log.warning("cannot tell the inference device: %s", exc))
 
     # --- state -> view -------------------------------------------------------------------
     def refresh(self) -> None:
@@ -109,14 +114,14 @@ class SegmentationController:
 
     # --- bundle --------------------------------------------------------------------------
     def load_bundle(self, path: str | Path, then: Callable[[], None] | None = None) -> None:
-        """Read a bundle's metadata (and which device will run it) in a worker."""
+        """Read a bundle's metadata and load its networks (so Run starts at once) in a worker."""
         target = Path(path)
-        self.main.set_busy(f"Reading {target.name} …")
+        self.main.set_busy(f"Loading the super model {target.name} …")
 
         def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[dict, dict]:
             metadata = self.api.read_bundle_metadata(target)
-            device = self.api.describe_device("auto")
-            return metadata, device
+            self.api.preload_super_model(target, "auto")
+            return metadata, self.api.describe_device("auto")
 
         def done(result: tuple[dict, dict]) -> None:
             self.main.set_busy(None)
@@ -138,16 +143,18 @@ class SegmentationController:
         self.state.set_forced_model(model or None)
 
     # --- run -----------------------------------------------------------------------------
-    def _segment(self, study: Study, force: str | None, on_done: Callable[[Any], None]) -> None:
+    def _segment(self, study: Study, force: str | None, on_done: Callable[[Any, Slicer], None]) -> None:
         bundle, gamma = self.state.bundle_path, self.state.gamma
 
-        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> Any:
-            return self.api.segment_study(bundle, study, gamma=gamma, device="auto", force_model=force,
-                                          progress=lambda done, total: progress({"done": done, "total": total}),
-                                          cancel=cancel)
+        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[Any, Slicer]:
+            result = self.api.segment_study(bundle, study, gamma=gamma, device="auto", force_model=force,
+                                            progress=lambda done, total: progress({"done": done, "total": total}),
+                                            cancel=cancel)
+            return result, Slicer(result.labels.array, result.labels.array.ndim == 3)
 
         self.state.start()
-        self.job = self.tasks.submit(job, on_done=on_done, on_error=self._failed, on_progress=self._progress)
+        self.job = self.tasks.submit(job, on_done=lambda done: on_done(*done), on_error=self._failed,
+                                     on_progress=self._progress)
 
     def run(self, then: Callable[[], None] | None = None) -> None:
         """Segment the open study with the loaded super model."""
@@ -159,13 +166,14 @@ class SegmentationController:
         if self.state.status == RUNNING:
             return
 
-        def done(result: Any) -> None:
+        def done(result: Any, slicer: Slicer) -> None:
             if study is not self.viewer.study:
                 return
             self._result_study = study
             self.state.finish(result)
             routed = "forced: " + self.state.forced_model if self.state.forced_model else "routed"
-            self.overlays.set_layer(MODEL_LAYER, result.labels, title=f"model ({routed})", outline=False)
+            self.overlays.set_layer(MODEL_LAYER, result.labels, title=f"model ({routed})", outline=False,
+                                    slicer=slicer)
             self.main.show_status(f"Segmented on {result.device}")
             if then is not None:
                 then()
@@ -186,7 +194,7 @@ class SegmentationController:
             model = routing.runner_up
         previous = self.state.result
 
-        def done(result: Any) -> None:
+        def done(result: Any, slicer: Slicer) -> None:
             # keep the routed result in the panel; the comparison only adds an overlay layer
             self.state.result = previous
             self.state.status = DONE if previous is not None else self.state.status
@@ -195,7 +203,8 @@ class SegmentationController:
                 return
             self._compare_result = result
             self.state.changed.emit()
-            self.overlays.set_layer(COMPARE_LAYER, result.labels, title=f"compare: {model}", outline=True)
+            self.overlays.set_layer(COMPARE_LAYER, result.labels, title=f"compare: {model}", outline=True,
+                                    slicer=slicer)
             self.main.show_status(f"Comparison with the {model} model shown as outlines")
 
         self._segment(study, model, done)

@@ -12,6 +12,7 @@ from engine.errors import DataError
 from engine.io.study import LabelMap, Study
 from fedsm_gui.controllers.errors import is_cancelled, user_message
 from fedsm_gui.controllers.runners import TaskHandle, TaskRunner
+from fedsm_gui.models.display import Slicer
 from fedsm_gui.models.overlay import REFERENCE_LAYER, OverlayState
 from fedsm_gui.models.recent import RecentFiles
 from fedsm_gui.models.viewer import ViewerState
@@ -90,10 +91,11 @@ class StudyController:
     def _read(self, path: Path, series_uid: str | None, then: Callable[[Study], None] | None) -> None:
         self.main.set_busy(f"Opening {path.name} …")
 
-        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> Study:
-            return self.api.open_study(path, series_uid=series_uid, progress=progress, cancel=cancel)
+        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[Study, Slicer]:
+            study = self.api.open_study(path, series_uid=series_uid, progress=progress, cancel=cancel)
+            return study, Slicer(study.array, study.kind == "volume")  # display copies, off the GUI thread
 
-        self.job = self.tasks.submit(job, on_done=lambda study: self._opened(path, study, then),
+        self.job = self.tasks.submit(job, on_done=lambda result: self._opened(path, *result, then),
                                      on_error=lambda exc: self._failed("Cannot open", exc),
                                      on_progress=self._progress)
 
@@ -102,18 +104,18 @@ class StudyController:
         if pair is not None:
             self.main.set_busy(event.get("message") or "Opening …", *pair)
 
-    def _opened(self, path: Path, study: Study, then: Callable[[Study], None] | None) -> None:
+    def _opened(self, path: Path, study: Study, slicer: Slicer, then: Callable[[Study], None] | None) -> None:
         self.main.set_busy(None)
-        self.show_study(study)
+        self.show_study(study, slicer)
         self.recent.add(path)
         self.main.set_recent(self.recent.paths)
         if then is not None:
             then(study)
 
-    def show_study(self, study: Study) -> None:
-        """Put ``study`` on screen (no file involved; the demo and tests use it directly)."""
+    def show_study(self, study: Study, slicer: Slicer | None = None) -> None:
+        """Put ``study`` on screen (no file involved: tests and benchmarks use it directly)."""
         self.overlays.clear()
-        self.viewer.set_study(study)
+        self.viewer.set_study(study, slicer)
         name = study.source.name if study.source is not None else "study"
         self.main.set_title(f"{name} — {study.kind}, {' × '.join(map(str, study.shape))}"
                             + (f", {study.modality}" if study.modality else ""))
@@ -137,11 +139,14 @@ class StudyController:
             return
         target = Path(path)
         self.main.set_busy(f"Opening mask {target.name} …")
-        self.job = self.tasks.submit(lambda progress, cancel: self.api.open_mask(target, study),
-                                     on_done=lambda labels: self._mask_opened(target, study, labels),
+        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[LabelMap, Slicer]:
+            labels = self.api.open_mask(target, study)
+            return labels, Slicer(labels.array, labels.array.ndim == 3)
+
+        self.job = self.tasks.submit(job, on_done=lambda result: self._mask_opened(target, study, *result),
                                      on_error=lambda exc: self._failed("Cannot open the mask", exc))
 
-    def _mask_opened(self, path: Path, study: Study, labels: LabelMap) -> None:
+    def _mask_opened(self, path: Path, study: Study, labels: LabelMap, slicer: Slicer) -> None:
         self.main.set_busy(None)
         if study is not self.viewer.study:
             return  # another study was opened meanwhile
@@ -150,7 +155,7 @@ class StudyController:
                 f"{path}: mask shape {labels.array.shape} does not match the study {study.shape}; "
                 "choose the mask made for this image"))
             return
-        self.overlays.set_layer(REFERENCE_LAYER, labels, title=f"reference: {path.name}")
+        self.overlays.set_layer(REFERENCE_LAYER, labels, title=f"reference: {path.name}", slicer=slicer)
         self.main.show_status(f"Loaded mask {path.name}")
         for callback in list(self.mask_opened):
             callback(labels)

@@ -12,7 +12,6 @@ from fedsm_gui.models.display import (
     PHOTO_VIEW,
     adjust_photo,
     apply_window,
-    display_slice,
     display_to_voxel,
     overlay_rgba,
     pixel_size_mm,
@@ -122,9 +121,9 @@ class ViewerController:
             self.render_view(view)
 
     def _render_slice(self, view: str, index: int) -> tuple[np.ndarray, list[np.ndarray]]:
-        study = self.state.study
-        assert study is not None
-        raw = display_slice(study.array, view, index)
+        study, slicer = self.state.study, self.state.slicer
+        assert study is not None and slicer is not None
+        raw = slicer.slice(view, index)
         if study.kind == "photo":
             image = adjust_photo(raw, self.state.brightness, self.state.contrast, self.state.green_only)
         else:
@@ -133,7 +132,7 @@ class ViewerController:
         for key, layer in self.overlays.shown_layers():
             if layer.labels.array.shape[:len(study.shape)] != study.shape:
                 continue
-            labels = display_slice(layer.labels.array, view, index)
+            labels = layer.slicer.slice(view, index)
             overlays.append(overlay_rgba(labels, self.overlays.lut(key), layer.outline))
         return image, overlays
 

@@ -9,6 +9,7 @@ from fedsm_gui.models.display import (
     PHOTO_VIEW,
     SLICE_AXIS,
     VOLUME_VIEWS,
+    Slicer,
     auto_window,
     window_presets,
 )
@@ -44,6 +45,7 @@ class ViewerState:
 
     def __init__(self) -> None:
         self.study: Study | None = None
+        self.slicer: Slicer | None = None
         self.cursor: list[int] = [0, 0, 0]
         self.window: tuple[float, float] = (0.5, 1.0)
         self.presets: dict[str, tuple[float, float]] = {}
@@ -64,9 +66,14 @@ class ViewerState:
             return ()
         return (PHOTO_VIEW,) if self.study.kind == "photo" else VOLUME_VIEWS
 
-    def set_study(self, study: Study | None) -> None:
-        """Show ``study``: cursor at the centre, its default window, every view fitted."""
+    def set_study(self, study: Study | None, slicer: Slicer | None = None) -> None:
+        """Show ``study``: cursor at the centre, its default window, every view fitted.
+
+        ``slicer`` serves its slices (built here when not given; build it in a worker for big
+        volumes).
+        """
         self.study = study
+        self.slicer = None if study is None else (slicer or Slicer(study.array, study.kind == "volume"))
         self.transforms = {view: ViewTransform() for view in self.views}
         self.brightness, self.contrast, self.green_only = 0.0, 1.0, False
         if study is not None and study.kind == "volume":

@@ -198,6 +198,7 @@ def _api_for_segmentation(tmp_path):
                 "rounds": 3, "lam": 0.5, "val_dice": {"site1": 0.8, "site2": None}, "label_names": ["prostate"]}
     api = SimpleNamespace(
         read_bundle_metadata=MagicMock(return_value=metadata),
+        preload_super_model=MagicMock(return_value={"sha256": "ab" * 32, "device": "cpu"}),
         describe_device=MagicMock(return_value={"device": "cpu", "reason": "no CUDA GPU found"}),
         export_mask=MagicMock(side_effect=lambda study, labels, out, provenance=None: Path(out)),
     )
@@ -212,8 +213,9 @@ def test_segmentation_controller_runs_and_shows_routing(tmp_path, volume_study):
     t = _segmentation(api, volume_study)
     t.view.set_metadata.assert_called_with(None, None, t.view.set_metadata.call_args.args[2])
     assert "No super model" in t.view.set_metadata.call_args.args[2]
+    t.view.set_device.assert_called_with("cpu — no CUDA GPU found")  # asked at start-up
     t.ctrl.load_bundle(tmp_path / "model.safetensors")
-    t.view.set_device.assert_called_with("cpu — no CUDA GPU found")
+    api.preload_super_model.assert_called_once_with(tmp_path / "model.safetensors", "auto")
     t.view.set_gamma.assert_called_with(0.6, True)
     t.ctrl.state.set_gamma(0.8)
     t.ctrl.run()
@@ -222,6 +224,7 @@ def test_segmentation_controller_runs_and_shows_routing(tmp_path, volume_study):
     assert MODEL_LAYER in t.overlays.layers
     strip = t.view.set_routing.call_args.args[0]
     assert len(strip) == 12 and strip[1][0] == "site1"
+    assert t.state.progress == (3, 4)
     # current slice is the axial cursor (6): the panel shows its routed model and confidence
     index, model, confidence, _, runner_up = t.view.set_current.call_args.args
     assert (index, model, runner_up) == (6, "global", "site2") and confidence == pytest.approx(0.625)

@@ -127,3 +127,20 @@ def test_vertical_cup_to_disc_ratio():
     assert vertical_cup_to_disc(labels, {1: "disc", 2: "cup"}) == pytest.approx(0.5)
     assert vertical_cup_to_disc(np.zeros((5, 5), np.uint8), {1: "rim", 2: "cup"}) is None
     assert vertical_cup_to_disc(labels, {1: "prostate"}) is None
+
+
+@pytest.mark.parametrize("budget", [10**9, 0, 2 * 7 * 5 * 4 * 4])
+def test_slicer_serves_the_same_slices_contiguously(budget):
+    from fedsm_gui.models.display import Slicer
+
+    vol = marker_volume()
+    slicer = Slicer(vol, volume=True, budget=budget)
+    for view, axis in (("axial", 2), ("coronal", 1), ("sagittal", 0)):
+        for index in range(SHAPE[axis]):
+            got = slicer.slice(view, index)
+            assert np.array_equal(got, display_slice(vol, view, index))
+            if view in slicer.copies:
+                assert got.flags.c_contiguous
+    assert len(slicer.copies) == {10**9: 3, 0: 0}.get(budget, 2)
+    photo = np.zeros((4, 5, 3), dtype=np.uint8)
+    assert Slicer(photo, volume=False).slice("photo", 0) is photo

@@ -14,7 +14,8 @@ from engine.bundle import BundleMetadata, SuperModelBundle, file_sha256, load_bu
 from engine.data.preprocess import normalise_volume, slices_to_volume, volume_to_slices
 from engine.errors import DataError
 from engine.inference.predictor import SuperModelPredictor
-from engine.inference.run import _label_map, infer_path
+from engine.inference.run import infer_path
+from engine.inference.study import masks_to_label_map
 from engine.io.files import read_label_png, read_nifti, write_nifti, write_rgb_png
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec, get_task
@@ -167,7 +168,7 @@ def test_multi_label_volumes_number_channels_from_one_later_wins() -> None:
     masks = np.zeros((2, 3, 1, 1), dtype=np.uint8)
     masks[0, :2] = 1  # outer in slices 0, 1
     masks[1, 1:] = 1  # inner in slices 1, 2
-    assert _label_map(task, masks).ravel().tolist() == [1, 2, 2]
+    assert masks_to_label_map(task, masks).ravel().tolist() == [1, 2, 2]
 
 
 def test_uncompressed_nifti(bundles: dict[str, Path], tmp_path: Path) -> None:

@@ -150,3 +150,22 @@ def test_provenance_travels_with_the_exported_mask(bundle_files: dict[str, Path]
     assert len(prov.images) == 5 and prov.labels == {1: "prostate"}
     out = export_mask(study, seg.labels, tmp_path / "case_mask.nii.gz", prov)
     assert read_provenance(out) == prov
+
+
+def test_describe_device_says_which_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from engine.api import describe_device
+
+    assert describe_device("cpu") == {
+        "requested": "cpu", "cuda_available": torch.cuda.is_available(),
+        "gpus": describe_device("cpu")["gpus"], "device": "cpu", "available": True, "mixed_precision": False,
+        "name": "CPU", "reason": "CPU requested",
+    }
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    auto = describe_device("auto")
+    assert auto["device"] == "cpu" and auto["reason"].startswith("CUDA not available: ")
+    cuda = describe_device("cuda")
+    assert cuda["device"] is None and cuda["available"] is False and "no CUDA GPU is visible" in cuda["reason"]
+    with pytest.raises(ConfigError, match="unknown device 'tpu'"):
+        describe_device("tpu")

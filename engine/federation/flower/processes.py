@@ -100,7 +100,7 @@ class ChildProcess:
         with self.log_path.open("a", encoding="utf-8") as out:
             for raw in self.proc.stdout:
                 line = raw.decode("utf-8", "replace").rstrip()
-                out.write(line + "\n")
+                out.write(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} {line}\n")
                 out.flush()
                 self._tail.append(line)
                 if self.on_line is not None:

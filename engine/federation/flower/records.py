@@ -108,14 +108,29 @@ def unpack(record: Any, layout_json: object, what: str) -> dict[str, torch.Tenso
     return out
 
 
-def weights_records(parts: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+class PackCache:
+    """Packed parts by weight-dict identity: a part every site receives is packed once per round."""
+
+    def __init__(self) -> None:
+        self._packed: dict[int, tuple[Any, str, Any]] = {}
+
+    def pack(self, weights: dict[str, torch.Tensor]) -> tuple[Any, str]:
+        hit = self._packed.get(id(weights))
+        if hit is None or hit[2] is not weights:
+            record, layout = pack(weights)
+            hit = (record, layout, weights)  # keeps ``weights`` alive, so its id stays unique
+            self._packed[id(weights)] = hit
+        return hit[0], hit[1]
+
+
+def weights_records(parts: dict[str, dict[str, torch.Tensor]], cache: PackCache | None = None) -> dict[str, Any]:
     """``{"weights:<part>": ArrayRecord, ..., "layout": ConfigRecord}`` for a payload."""
     from flwr.app import ConfigRecord
 
     out: dict[str, Any] = {}
     layouts: dict[str, str] = {}
     for part, weights in parts.items():
-        out[WEIGHTS_PREFIX + part], layouts[part] = pack(weights)
+        out[WEIGHTS_PREFIX + part], layouts[part] = cache.pack(weights) if cache is not None else pack(weights)
     out[LAYOUT] = ConfigRecord(layouts)  # type: ignore[arg-type]
     return out
 
@@ -166,13 +181,13 @@ class Instruction:
 
 
 def encode_instructions(ins: SiteInstructions, *, rounds: int, method: str, spec_json: str, session: str,
-                        site: str) -> RecordDict:
+                        site: str, cache: PackCache | None = None) -> RecordDict:
     """The content of a ``train`` message for ``site``."""
     from flwr.app import ConfigRecord, RecordDict
 
     info = ConfigRecord({"round": int(ins.round), "rounds": int(rounds), "method": method, "spec": spec_json,
                          "session": session, "site": site, "config": json.dumps(ins.config, sort_keys=True)})
-    return RecordDict({INFO: info, **weights_records(ins.weights)})
+    return RecordDict({INFO: info, **weights_records(ins.weights, cache)})
 
 
 def decode_instructions(content: RecordDict) -> Instruction:

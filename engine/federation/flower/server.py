@@ -12,7 +12,6 @@ Work folder (``[federation] work_dir``)::
     checkpoint.safetensors   server state after the last completed round (--resume reads it)
     events.jsonl             progress events
     superlink.log            the SuperLink's output
-    superlink.db             Flower's state: registered site keys (node identities), runs
     supermodel.safetensors   FedSM / FedSM-extra: the super model (after the last round)
     global.safetensors       FedAvg, FedProx, Scaffold: the global model
     summary.json             rounds: who answered, who was left out and why, bytes, times
@@ -83,7 +82,7 @@ def _security_inputs(cfg: FederationConfig, insecure: bool) -> dict[str, bytes]:
 
 def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[str]:
     args = ["--host", "127.0.0.1", "--port", str(port), "--isolation", "process",
-            "--disable-runtime-dependency-installation", "--database", str(cfg.work_dir / "superlink.db")]
+            "--disable-runtime-dependency-installation"]
     if insecure:
         return [*args, "--insecure"]
     return [*args, "--ssl-ca-certfile", str(cfg.tls.ca_cert), "--ssl-certfile", str(cfg.tls.server_cert),

@@ -104,8 +104,12 @@ class SelfNamedSites:
 
 
 def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_interval: float,
-             cancel: Callable[[], bool] | None = None) -> tuple[dict[str, Message], dict[str, str]]:
+             cancel: Callable[[], bool] | None = None,
+             on_reply: Callable[[str, Message], None] | None = None) -> tuple[dict[str, Message], dict[str, str]]:
     """Send ``{key: message}`` and collect replies until all answered or ``timeout`` passed.
+
+    ``on_reply(key, reply)`` is called as each reply arrives, so replies are processed while
+    slower sites are still training.
 
     Returns
     -------
@@ -130,6 +134,8 @@ def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_i
             key = pending.pop(reply.metadata.reply_to_message_id, None)
             if key is not None:
                 replies[key] = reply
+                if on_reply is not None:
+                    on_reply(key, reply)
         if not pending:
             break
         if cancel is not None and cancel():
@@ -248,32 +254,29 @@ class FederationRunner:
         left_out: dict[str, str] = {}
         messages: dict[str, Message] = {}
         bytes_to: dict[str, int] = {}
+        packed = records.PackCache()  # parts every site gets (global, selector) are packed once
         for site in self.sites:
             if site not in online:
                 left_out[site] = "not connected"
                 continue
             ins = self.method.site_instructions(state, rnd, site)
             content = records.encode_instructions(ins, rounds=total, method=self.method.name,
-                                                  spec_json=self.spec_json, session=self.session, site=site)
+                                                  spec_json=self.spec_json, session=self.session, site=site,
+                                                  cache=packed)
             bytes_to[site] = records.record_bytes(content)
             messages[site] = Message(content, dst_node_id=online[site], message_type=TRAIN, group_id=str(rnd),
                                      ttl=self.settings.round_timeout)
             self.events.emit("sent", site=site, round=rnd, rounds=total, method=self.method.name,
                              bytes=bytes_to[site], contents=records.record_contents(content))
-        replies, missing = exchange(grid, messages, self.settings.round_timeout, self.settings.poll_interval,
-                                    self._check_cancel_flag)
-        left_out.update(missing)
-        updates: dict[str, SiteUpdate] = {}
+        arrived: dict[str, SiteUpdate] = {}
         train_s: dict[str, float] = {}
         bytes_from: dict[str, int] = {}
-        for site in self.sites:  # configured order: aggregation sums in the same order as the simulation
-            reply = replies.get(site)
-            if reply is None:
-                continue
+
+        def on_reply(site: str, reply: Message) -> None:
             if reply.has_error():
                 left_out[site] = f"the site answered with an error: {reply.error.reason}"
                 self.events.error(left_out[site], site=site, round=rnd)
-                continue
+                return
             try:
                 update = records.decode_update(reply.content, site, rnd)
                 self.method.validate_update(state, site, update)
@@ -281,15 +284,21 @@ class FederationRunner:
                 left_out[site] = f"update rejected: {exc}"
                 log.warning("round %d: update from %s rejected: %s", rnd, site, exc)
                 self.events.error(left_out[site], site=site, round=rnd)
-                continue
+                return
             bytes_from[site] = records.record_bytes(reply.content)
             train_s[site] = float(update.metrics.pop("train_s", float("nan")))
-            updates[site] = update
+            arrived[site] = update
             self.events.emit("received", site=site, round=rnd, rounds=total, method=self.method.name,
                              bytes=bytes_from[site], contents=records.record_contents(reply.content),
                              num_examples=update.num_samples, metrics=update.metrics)
+
+        _, missing = exchange(grid, messages, self.settings.round_timeout, self.settings.poll_interval,
+                              self._check_cancel_flag, on_reply)
+        left_out.update(missing)
         for site, reason in missing.items():
             self.events.error(f"left out of round {rnd}: {reason}", site=site, round=rnd)
+        # configured order: aggregation sums in the same order as the simulation
+        updates = {site: arrived[site] for site in self.sites if site in arrived}
         return RoundResult(rnd, updates, left_out, time.monotonic() - start, train_s, bytes_to, bytes_from)
 
     def _check_cancel_flag(self) -> bool:
@@ -306,36 +315,44 @@ class FederationRunner:
         else:
             state, first = self.method.initial_state(), 1
         self.wait_for_sites(grid)
-        for rnd in range(first, total + 1):
-            self.events.emit("round_start", round=rnd, rounds=total, method=self.method.name)
-            result = None
-            for attempt in range(1, self.settings.round_attempts + 1):
-                self._check_cancel()
-                result = self.run_round(grid, state, rnd)
-                if len(result.updates) >= self.settings.min_sites:
-                    break
-                self.events.error(f"round {rnd}: {len(result.updates)} valid answers, fewer than min_sites = "
-                                  f"{self.settings.min_sites} (attempt {attempt} of {self.settings.round_attempts})",
-                                  round=rnd, left_out=result.left_out)
-                if attempt < self.settings.round_attempts:
-                    self.wait_for_sites(grid)
-            assert result is not None
-            if len(result.updates) < self.settings.min_sites:
-                raise FedSMError(f"round {rnd}: fewer than min_sites = {self.settings.min_sites} sites answered in "
-                                 f"{self.settings.round_attempts} attempts ({result.left_out}); the checkpoint of "
-                                 f"round {rnd - 1} is kept: fix the sites, then run 'fedsm server --resume'")
-            state = self.method.aggregate(state, rnd, result.updates)
-            record = {"round": rnd, "answered": sorted(result.updates), "left_out": result.left_out,
-                      "wall_s": round(result.wall_s, 3), "train_s": result.train_s,
-                      "bytes_to_sites": sum(result.bytes_to.values()),
-                      "bytes_from_sites": sum(result.bytes_from.values())}
-            self.history.append(record)
-            path = Checkpoint(rnd, state, self.spec_json, self.session, self.app_hash, self.history).save(
-                self.checkpoint_path)
-            self.events.emit("checkpoint", round=rnd, path=str(path))
-            self.events.emit("round_end", round=rnd, rounds=total, method=self.method.name,
-                             wall_s=round(result.wall_s, 3), answered=record["answered"], left_out=result.left_out,
-                             train_s=result.train_s)
+        with CheckpointWriter(self.events) as writer:
+            for rnd in range(first, total + 1):
+                state = self._round(grid, state, rnd, writer)
+        return state
+
+    def _round(self, grid: Grid, state: WeightSet, rnd: int, writer: CheckpointWriter) -> WeightSet:
+        """Run round ``rnd`` (with repeats while fewer than ``min_sites`` answer) and aggregate it."""
+        total = self.method.total_rounds
+        started = time.monotonic()
+        self.events.emit("round_start", round=rnd, rounds=total, method=self.method.name)
+        result = None
+        for attempt in range(1, self.settings.round_attempts + 1):
+            self._check_cancel()
+            result = self.run_round(grid, state, rnd)
+            if len(result.updates) >= self.settings.min_sites:
+                break
+            self.events.error(f"round {rnd}: {len(result.updates)} valid answers, fewer than min_sites = "
+                              f"{self.settings.min_sites} (attempt {attempt} of {self.settings.round_attempts})",
+                              round=rnd, left_out=result.left_out)
+            if attempt < self.settings.round_attempts:
+                self.wait_for_sites(grid)
+        assert result is not None
+        if len(result.updates) < self.settings.min_sites:
+            raise FedSMError(f"round {rnd}: fewer than min_sites = {self.settings.min_sites} sites answered in "
+                             f"{self.settings.round_attempts} attempts ({result.left_out}); the checkpoint of "
+                             f"round {rnd - 1} is kept: fix the sites, then run 'fedsm server --resume'")
+        state = self.method.aggregate(state, rnd, result.updates)
+        wall_s = time.monotonic() - started
+        record = {"round": rnd, "answered": sorted(result.updates), "left_out": result.left_out,
+                  "wall_s": round(wall_s, 3), "train_s": result.train_s,
+                  "bytes_to_sites": sum(result.bytes_to.values()),
+                  "bytes_from_sites": sum(result.bytes_from.values())}
+        self.history.append(record)
+        writer.submit(Checkpoint(rnd, state, self.spec_json, self.session, self.app_hash, list(self.history)),
+                      self.checkpoint_path)
+        self.events.emit("round_end", round=rnd, rounds=total, method=self.method.name,
+                         wall_s=round(wall_s, 3), answered=record["answered"], left_out=result.left_out,
+                         train_s=result.train_s)
         return state
 
     def announce_finished(self, grid: Grid, timeout: float = 20.0) -> None:
@@ -349,6 +366,43 @@ class FederationRunner:
             dst_node_id=node, message_type=QUERY, ttl=timeout) for site, node in online.items()}
         exchange(grid, messages, timeout, self.settings.poll_interval)
         self.events.emit("finished", rounds=total)
+
+
+class CheckpointWriter:
+    """Write checkpoints in a background thread, in order, so the next round starts at once.
+
+    A checkpoint is complete on disk (atomic rename) before its ``checkpoint`` event; leaving
+    the ``with`` block waits for the last one. Should the coordinator die before a write ends,
+    the previous checkpoint stands and ``--resume`` repeats one more round (rounds are
+    deterministic, so the result is the same).
+    """
+
+    def __init__(self, events: EventWriter) -> None:
+        self.events = events
+        self._pool: Any = None
+        self._pending: list[Any] = []
+
+    def __enter__(self) -> CheckpointWriter:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        return self
+
+    def submit(self, checkpoint: Checkpoint, path: Path) -> None:
+        def write() -> None:
+            saved = checkpoint.save(path)
+            self.events.emit("checkpoint", round=checkpoint.round, path=str(saved))
+
+        self._pending = [f for f in self._pending if not f.done()] + [self._pool.submit(write)]
+        for future in self._pending:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
+        for future in self._pending:
+            if future.exception() is not None and exc[0] is None:
+                raise future.exception()
 
 
 def build_server_app(runner: FederationRunner, resume: Checkpoint | None, result: dict[str, Any]) -> ServerApp:
