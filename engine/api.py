@@ -22,7 +22,7 @@ from engine.errors import (
 if TYPE_CHECKING:  # types only: importing them at run time would pull in numpy-heavy modules
     from engine.inference.study import StudySegmentation
     from engine.io.provenance import Provenance
-    from engine.io.study import LabelMap, Study
+    from engine.io.study import LabelMap, SeriesInfo, Study
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -34,17 +34,25 @@ __all__ = [
     "DeviceError",
     "FedSMError",
     "WeightsError",
+    "app_hash",
+    "benchmark",
     "demo_site_command",
     "describe_device",
     "export_mask",
     "infer",
+    "list_series",
+    "open_mask",
+    "open_study",
     "preload_super_model",
     "prepare_demo",
     "read_bundle_metadata",
     "read_provenance",
+    "read_site_config",
     "segment_study",
     "simulate",
+    "site_command",
     "synthesize",
+    "validate_data",
 ]
 
 
@@ -63,6 +71,36 @@ def simulate(out_dir: Path, progress: ProgressFn | None = None, cancel: Callable
     if "methods" in settings:
         settings["methods"] = tuple(settings["methods"])
     return run_simulation(SimulationConfig(**settings), Path(out_dir), progress, cancel)
+
+
+def list_series(path: Path) -> list[SeriesInfo]:
+    """What can be opened at ``path`` (DICOM series of a folder, or the file itself), from headers only."""
+    from engine.io.readers import list_series as list_at
+
+    return list_at(Path(path))
+
+
+def open_study(path: Path, series_uid: str | None = None, progress: ProgressFn | None = None,
+               cancel: Callable[[], bool] | None = None) -> Study:
+    """Open a photo, a NIfTI/MHA/NRRD volume or a DICOM series (``series_uid`` picks one of a folder's)."""
+    from engine.io.readers import open_study as open_at
+
+    return open_at(Path(path), series_uid=series_uid, progress=progress, cancel=cancel)
+
+
+def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelMap:
+    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG)."""
+    from engine.io.masks import open_mask as open_labels
+
+    return open_labels(Path(path), study, convention)
+
+
+def validate_data(datalists: list[Path], convention: str | None = None, task: str | None = None,
+                  progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Check site datalists (``fedsm validate-data``): a JSON-able report with per-file problems and counts."""
+    from engine.data.validation import validate_datalists
+
+    return validate_datalists([Path(p) for p in datalists], convention=convention, task=task, progress=progress)
 
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
@@ -136,8 +174,47 @@ def read_provenance(path: Path) -> Provenance:
     return read(Path(path))
 
 
+def benchmark(preset: str, out_dir: Path, *, fresh: bool = False, device: str = "auto", threads: int = 1,
+              docs_dir: Path | None = None, command: str | None = None, progress: ProgressFn | None = None,
+              cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Run or resume ``fedsm bench`` (see :func:`engine.bench.runner.run_benchmark`); return its summary."""
+    from engine.bench.runner import run_benchmark
+
+    return run_benchmark(preset, Path(out_dir), fresh=fresh, device=device, threads=threads, docs_dir=docs_dir,
+                         command=command, progress=progress, cancel=cancel)
+
+
 def describe_device(device: str = "auto") -> dict[str, Any]:
     """Which device inference would use and why, e.g. ``{"device": "cpu", "reason": "CUDA not available: ..."}``."""
     from engine.inference.device import describe_device as describe
 
     return describe(device)
+
+
+def site_command(config: Path, json_events: bool = True) -> list[str]:
+    """The command line that runs one federation site (``fedsm site``), e.g. for ``QProcess``.
+
+    The site runs as its own process because Flower's SuperNode installs signal handlers; with
+    ``json_events`` its stdout is one JSON event per line (see ``engine.federation.events``).
+    """
+    import sys
+
+    argv = [sys.executable, "-m", "engine.cli.main", "site", "--config", str(Path(config))]
+    return [*argv, "--json"] if json_events else argv
+
+
+def read_site_config(path: Path) -> dict[str, Any]:
+    """A checked ``site.toml`` as plain values (name, coordinator, datalist, approved_apps, ...).
+
+    Raises :class:`ConfigError` naming the file and the key when something is wrong or missing.
+    """
+    from engine.federation.config import load_site_config
+
+    return load_site_config(Path(path)).to_dict()
+
+
+def app_hash() -> str:
+    """``sha256:...`` of the FedSM app this installation runs: what a site pins in ``approved_apps``."""
+    from engine.federation.flower.app_bundle import build_app_bundle
+
+    return build_app_bundle().hash

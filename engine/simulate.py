@@ -130,6 +130,9 @@ class Simulation:
         self.cancel = cancel
         self.task: TaskSpec = get_task(cfg.task)
         self.sites: list[Any] = []
+        #: Optional ``hook(method, round, state, runtimes)`` called after every aggregation (the
+        #: benchmarks record per-round curves with it); ``None`` leaves every run untouched.
+        self.round_hook: Callable[[Any, int, dict[str, Any], list[Any]], None] | None = None
 
     # --- data ----------------------------------------------------------------------------
     def load_sites(self) -> None:
@@ -205,7 +208,7 @@ class Simulation:
         """Train and evaluate one method."""
         from engine.federation.inprocess import run_rounds
         from engine.fl.evaluation import segment_with
-        from engine.fl.methods import FedAvg
+        from engine.fl.methods import FedAvg, FedSM
 
         start = time.perf_counter()
         training = self.cfg.training()
@@ -213,7 +216,9 @@ class Simulation:
         if name == "centralized":
             method = FedAvg(self.task, ["pooled"], training, self.cfg.seed, self.cfg.rounds)
             method.name = "centralized"  # type: ignore[misc]
-            state, records = run_rounds(method, [self._pooled_runtime()], self.cfg.rounds,
+            pooled_runtime = self._pooled_runtime()
+            self._attach_round_hook(method, [pooled_runtime])
+            state, records = run_rounds(method, [pooled_runtime], self.cfg.rounds,
                                         progress=self.progress, cancel=self.cancel)
             weights = state["global"]
             per_site, client_avg, pooled = self._evaluate(
@@ -225,13 +230,14 @@ class Simulation:
 
         method = self._build_method(name)
         runtimes = self._runtimes()
+        self._attach_round_hook(method, runtimes)
         state, records = run_rounds(method, runtimes, method.total_rounds, progress=self.progress,
                                     cancel=self.cancel)
         if name == "local":
             models = [rt.state["local_model"] for rt in runtimes]
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
-        elif name in ("fedsm", "fedsm-extra"):
+        elif name in ("fedsm", "fedsm-extra") or isinstance(method, FedSM):
             per_site, client_avg, pooled, extra = self._evaluate_supermodel(method, state, records)
         else:
             per_site, client_avg, pooled = self._evaluate(
@@ -239,6 +245,20 @@ class Simulation:
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra)
+
+    def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
+        """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""
+        hook = self.round_hook
+        if hook is None:
+            return
+        aggregate = method.aggregate
+
+        def aggregate_and_report(state: dict[str, Any], rnd: int, updates: Any) -> dict[str, Any]:
+            new = aggregate(state, rnd, updates)
+            hook(method, rnd, new, runtimes)
+            return new
+
+        method.aggregate = aggregate_and_report
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
         from engine.bundle import BundleMetadata, SuperModelBundle

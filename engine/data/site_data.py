@@ -1,10 +1,15 @@
 """A site's datalist loaded into arrays, ready for training and evaluation.
 
-Every image goes through :mod:`engine.data.preprocess`, the same path inference takes, so a
-network sees identically scaled inputs in training and in use:
+Images and masks are read by the engine's study readers (:func:`engine.io.readers.open_study`,
+:func:`engine.io.masks.read_mask`), the path the viewer and inference take too, so a volume is in
+the same RAS+ canonical order here as when it is segmented, and a mask must lie on its image's
+grid. Mask values are mapped by the datalist's label convention (``"label_convention"``, default
+per task; see :mod:`engine.data.label_conventions`). Every image then goes through
+:mod:`engine.data.preprocess`, the same path inference takes, so a network sees identically
+scaled inputs in training and in use:
 
-- fundus: RGB photo -> ``rgb/255`` -> bilinear resize; ORIGA label map -> disc, cup masks ->
-  nearest resize;
+- fundus: RGB photo -> ``rgb/255`` -> bilinear resize; label map (ORIGA style after the
+  convention) -> disc, cup masks -> nearest resize;
 - prostate: volume -> 1st..99th percentile scaling (per volume) -> every axial slice (empty ones
   too, so the networks learn to predict nothing there) -> bilinear resize; label volume likewise
   with nearest resize.
@@ -21,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from engine.data.datalist import load_datalist_with_info
+from engine.data.label_conventions import DATALIST_KEY, LabelConvention, convention_for, read_task_channels
 from engine.data.preprocess import (
-    label_channels,
     normalise_rgb,
     normalise_volume,
     resize_images,
@@ -30,7 +35,6 @@ from engine.data.preprocess import (
     volume_to_slices,
 )
 from engine.errors import ConfigError, DataError
-from engine.io.files import read_label_png, read_nifti, read_rgb_image
 from engine.tasks import TaskSpec
 
 #: Datalist section that fills each split.
@@ -102,35 +106,33 @@ class SiteData:
         return len(self.train.images)
 
 
-def _load_fundus_case(task: TaskSpec, image_path: Path, label_path: Path, size: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    image = read_rgb_image(image_path)
-    label = read_label_png(label_path)
-    if label.shape != image.shape[:2]:
-        raise DataError(f"mask {label_path} is {_hw(label.shape)} but its image {image_path} is "
-                        f"{_hw(image.shape[:2])}; they must have the same size — re-export the mask at the "
-                        "image's size")
-    values = np.unique(label)
-    if values.max(initial=0) > 2:
-        raise DataError(f"mask {label_path} has values {values[:8].tolist()}; fundus masks use the ORIGA "
-                        "convention 0 background, 1 disc rim, 2 cup — map its values to these")
+def _read_case(task: TaskSpec, image_path: Path, label_path: Path, convention: LabelConvention | None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The study's array and its mask as the task's channels ``(L, *shape)`` for one datalist entry."""
+    from engine.io.readers import open_study
+
+    study = open_study(image_path)
+    wanted = "volume" if task.volumetric else "photo"
+    if study.kind != wanted:
+        raise DataError(f"{image_path}: is a {study.kind}, but {task.name} images are {wanted}s; choose the "
+                        f"{task.name} datalist or the other task")
+    return study.array, read_task_channels(task, label_path, study, convention)
+
+
+def _load_fundus_case(task: TaskSpec, image_path: Path, label_path: Path, size: int,
+                      convention: LabelConvention | None = None) -> tuple[np.ndarray, np.ndarray]:
+    image, channels = _read_case(task, image_path, label_path, convention)
     images = resize_images(normalise_rgb(image)[None], size)
-    masks = resize_masks(label_channels(task, label)[None], size)
+    masks = resize_masks(channels[None], size)
     return images, masks
 
 
-def _load_volume_case(task: TaskSpec, image_path: Path, label_path: Path, size: int
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    volume, _ = read_nifti(image_path)
-    label, _ = read_nifti(label_path)
-    if label.shape != volume.shape:
-        raise DataError(f"mask {label_path} has shape {label.shape} but its image {image_path} has shape "
-                        f"{volume.shape}; they must match voxel for voxel — resample the mask onto the image")
-    if volume.shape[0] == 0 or volume.shape[1] == 0 or volume.shape[2] == 0:
-        raise DataError(f"{image_path}: volume has no voxels (shape {volume.shape}); re-export it")
+def _load_volume_case(task: TaskSpec, image_path: Path, label_path: Path, size: int,
+                      convention: LabelConvention | None = None) -> tuple[np.ndarray, np.ndarray]:
+    volume, channels = _read_case(task, image_path, label_path, convention)
     images = resize_images(volume_to_slices(normalise_volume(volume)), size)
-    # label_channels gives (L, X, Y, Z); slices first: (Z, L, X, Y).
-    masks = resize_masks(np.ascontiguousarray(np.moveaxis(label_channels(task, label), 3, 0)), size)
+    # channels are (L, X, Y, Z); slices first: (Z, L, X, Y).
+    masks = resize_masks(np.ascontiguousarray(np.moveaxis(channels, 3, 0)), size)
     return images, masks
 
 
@@ -139,7 +141,8 @@ def _hw(shape: tuple[int, ...]) -> str:
 
 
 def load_split(entries: list[dict[str, Any]], task: TaskSpec, image_size: int,
-               progress: Callable[[int, int], None] | None = None) -> SplitArrays:
+               progress: Callable[[int, int], None] | None = None,
+               convention: LabelConvention | None = None) -> SplitArrays:
     """Load one datalist section's cases into :class:`SplitArrays`.
 
     Parameters
@@ -152,11 +155,13 @@ def load_split(entries: list[dict[str, Any]], task: TaskSpec, image_size: int,
         Side ``S`` of the square arrays.
     progress
         Called with ``(cases done, cases)`` after each case.
+    convention
+        How the masks store their labels; ``None``: the task's default convention.
     """
     load = _load_volume_case if task.volumetric else _load_fundus_case
     images, masks, ids = [], [], []
     for i, entry in enumerate(entries):
-        img, msk = load(task, Path(entry["image"]), Path(entry["label"]), image_size)
+        img, msk = load(task, Path(entry["image"]), Path(entry["label"]), image_size, convention)
         images.append(img.astype(np.float32, copy=False))
         masks.append((msk > 0.5).astype(np.float32))
         ids.append(np.full(len(img), i, dtype=np.int64))
@@ -192,8 +197,9 @@ def load_site(datalist_path: str | os.PathLike[str], task: TaskSpec, image_size:
     ConfigError
         When ``image_size`` is not a positive integer.
     DataError
-        When the datalist is broken, has no training cases or is for another task, a file is
-        missing or unreadable, or a mask does not match its image's size.
+        When the datalist is broken, has no training cases, is for another task or names a label
+        convention that does not suit it, a file is missing or unreadable, a mask does not match
+        its image's geometry or its values are not the convention's.
     """
     if isinstance(image_size, bool) or not isinstance(image_size, int | np.integer) or image_size < 1:
         raise ConfigError(f"image_size must be a positive integer, got {image_size!r}")
@@ -208,6 +214,10 @@ def load_site(datalist_path: str | os.PathLike[str], task: TaskSpec, image_size:
     if name is None:
         stated_name = info.get("name")
         name = stated_name if isinstance(stated_name, str) and stated_name else path.absolute().parent.name
-    splits = {attr: load_split(sections.get(section, []), task, int(image_size))
+    try:
+        convention = convention_for(task.name, info.get(DATALIST_KEY))
+    except ConfigError as exc:
+        raise DataError(f"{path}: {exc}") from exc
+    splits = {attr: load_split(sections.get(section, []), task, int(image_size), convention=convention)
               for attr, section in SPLIT_SECTIONS.items()}
     return SiteData(name, splits["train"], splits["validation"], splits["test"], datalist=path.absolute())

@@ -8,8 +8,10 @@ leaves either the previous checkpoint or the new one, never half of one. Reading
 unpickles anything.
 
 ``fedsm server --resume`` continues from the round after the checkpoint's, with the same
-session id, so sites pick up their own private state (Scaffold's control variate, a local
-model) saved under that session.
+session id. Sites keep their own private state (Scaffold's control variate, a local model)
+under that session, one file per round (:func:`save_site_state`), and start every round from
+the state before it (:func:`load_site_state_before`), so a round repeated after a resume
+computes exactly what it computed the first time.
 """
 
 from __future__ import annotations

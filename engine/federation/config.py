@@ -13,6 +13,7 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     round_timeout = 600                  # seconds a round waits for answers
     start_timeout = 600                  # seconds to wait for sites before round 1
     round_attempts = 3                   # tries of a round that got fewer than min_sites answers
+    rejoin_wait = 0                      # seconds a round waits for disconnected sites to come back
     poll_interval = 0.2                  # seconds between checks for answers
     superlink_port = 0                   # loopback port of the SuperLink (0 = any free port)
 
@@ -62,7 +63,7 @@ from engine.federation.spec import MethodSpec
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
 _FEDERATION_KEYS = {"sites", "address", "work_dir", "min_sites", "round_timeout", "start_timeout",
-                    "round_attempts", "poll_interval", "superlink_port", "name"}
+                    "round_attempts", "poll_interval", "superlink_port", "name", "rejoin_wait"}
 _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
               "runtime_port"}
@@ -172,6 +173,7 @@ class FederationConfig:
     poll_interval: float = 0.2
     superlink_port: int = 0
     name: str = "fedsm"
+    rejoin_wait: float = 0.0
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -231,6 +233,8 @@ def load_federation_config(path: Path) -> FederationConfig:
         poll_interval=_positive(float(_get(fed, "poll_interval", (int, float), where, 0.2)), "poll_interval", where),
         superlink_port=_port(_get(fed, "superlink_port", int, where, 0), "superlink_port", where),
         name=_get(fed, "name", str, where, "fedsm"),
+        rejoin_wait=_positive(float(_get(fed, "rejoin_wait", (int, float), where, 0.0)), "rejoin_wait", where,
+                              allow_zero=True),
     )
 
 

@@ -15,13 +15,15 @@ global and personalized models the site received this round, and ``local``, the 
 personalized model after this round's local training (before SoftPull). Dice is shown to the
 operator only; it is not part of what the site sends.
 
-SIGTERM or SIGINT stop the run at the next batch: the site reports ``disconnected`` and exits 0.
+SIGTERM or SIGINT stop the run at once (the demo keeps no state worth finishing: its data files
+are written atomically): the site reports ``disconnected`` and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -124,7 +126,7 @@ def _validation_dice(task: Any, validation: Any) -> Callable[[dict[str, Any], An
 
 
 def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_size: int = 32, sites: int = 3,
-                  task: str = "fundus", epochs: int = 1, seed: int = 0,
+                  task: str = "fundus", epochs: int = 1, seed: int = 0, batch_size: int = 2,
                   emit: Callable[[dict[str, Any]], None] | None = None,
                   cancel: Callable[[], bool] | None = None) -> int:
     """Run the simulated federation and report ``site``'s events; return the process exit code."""
@@ -148,7 +150,7 @@ def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_siz
         raise FedSMError(f"site {site!r} is not in the demo federation; choose one of {', '.join(names)}")
     runtimes = [SiteRuntime(s.name, i, s.train) for i, s in enumerate(loaded)]
     watched = runtimes[names.index(site)]
-    training = LocalTrainingConfig(epochs=epochs, batch_size=8, device="cpu")
+    training = LocalTrainingConfig(epochs=epochs, batch_size=batch_size, device="cpu")
     method = FedSM(spec, names, training, seed, rounds, lam=max(0.7, 1.0 / len(names)), gamma=0.6)
     observed = ObservedSite(method, watched, emit, _validation_dice(spec, loaded[names.index(site)].validation))
     emit({"event": "connected", "coordinator": f"in-process demo federation ({len(names)} sites)"})
@@ -173,6 +175,10 @@ def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_siz
     return 0
 
 
+class _Stopped(BaseException):
+    """Raised by the signal handler in the main thread, wherever it is (not an ``Exception``)."""
+
+
 def demo_site_command(workdir: Path, site: str = "site1", rounds: int = 3, image_size: int = 32) -> list[str]:
     """The command line that runs this module as a site process (for QProcess)."""
     return [sys.executable, "-m", "engine.federation.demo_site", "--workdir", str(Path(workdir).absolute()),
@@ -188,26 +194,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sites", type=int, default=3, help="sites in the federation (2..12)")
     parser.add_argument("--task", default="fundus", choices=("fundus", "prostate"))
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round")
+    parser.add_argument("--batch-size", type=int, default=2, help="local batch size (small: a visible progress bar)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: stays out of the way)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 
-    stop = {"requested": False}
+    def stop_now(signum: int, frame: Any) -> None:
+        raise _Stopped(signal.Signals(signum).name)
 
-    def request_stop(signum: int, frame: Any) -> None:
-        stop["requested"] = True
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-
-    import torch
-
-    torch.set_num_threads(max(1, args.threads))
+    signal.signal(signal.SIGTERM, stop_now)
+    signal.signal(signal.SIGINT, stop_now)
     emit = stdout_events(args.site)
     try:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
         return run_demo_site(args.workdir, args.site, args.rounds, args.image_size, args.sites, args.task,
-                             args.epochs, args.seed, emit, cancel=lambda: stop["requested"])
+                             args.epochs, args.seed, args.batch_size, emit)
+    except _Stopped as stop:
+        emit({"event": "disconnected", "reason": f"stopped by the operator ({stop})", "reconnecting": False})
+        # Leave at once: a normal interpreter exit spends seconds tearing torch down, and this
+        # process holds nothing that needs closing (stdout is flushed, data files are atomic).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except FedSMError as exc:
         emit({"event": "error", "message": str(exc)})
         return 2

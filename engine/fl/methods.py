@@ -505,6 +505,101 @@ class FedSMExtra(FedSM):
         return SiteUpdate({"selector": sel}, n, metrics)
 
 
+class FedSMPersonalized(FedSM):
+    """FedSM with another personalization rule in place of SoftPull (paper Table 6).
+
+    The global model (FedAvg) and the selector train exactly as in :class:`FedSM`; the
+    personalized models come from ``personalization`` (``finetune``, ``apfl``, ``perfedavg``,
+    ``pfedme``; rules and hyper-parameters in :mod:`engine.fl.personalization`). Per-FedAvg and
+    pFedMe train one more shared U-Net (server state ``"shared"``); APFL and pFedMe keep private
+    models at the site. In the calibration round each site sends its personalized model with
+    its selector statistics, so the super model holds it.
+    """
+
+    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
+                 seed: int = 0, rounds: int = 1, personalization: str = "finetune", gamma: float = 0.6,
+                 personalization_config: Any = None) -> None:
+        from engine.fl.personalization import PERSONALIZATIONS, PersonalizationConfig
+
+        if personalization not in PERSONALIZATIONS:
+            raise ConfigError(f"unknown personalization {personalization!r}; choose from "
+                              f"{', '.join(PERSONALIZATIONS)}")
+        super().__init__(task, site_names, training, seed, rounds, lam=1.0, gamma=gamma)
+        # the name stays "fedsm": the result is a FedSM super model (gamma routing), and the
+        # variants see the same seeds, hence the same batches, as SoftPull
+        self.personalization = personalization
+        self.pcfg = personalization_config or PersonalizationConfig()
+
+    @property
+    def _shared_track(self) -> bool:
+        return self.personalization in ("perfedavg", "pfedme")
+
+    def initial_state(self) -> WeightSet:
+        state = super().initial_state()
+        if self._shared_track:
+            state["shared"] = state["global"]
+        return state
+
+    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
+        phase = self.phase(rnd)
+        weights = {"global": state["global"], "selector": state["selector"]}
+        if self._shared_track and (phase == "train" or self.personalization == "perfedavg"):
+            weights["personal"] = state["shared"]
+        return SiteInstructions(rnd, weights, {"phase": phase})
+
+    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
+        out = {"global": state["global"], "selector": state["selector"]}
+        if self._shared_track:
+            out["personal"] = state["shared"]
+        return out
+
+    def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
+        parts = set(update.weights)
+        if parts == {"selector_stats", "personal"}:
+            check_statistics(update.weights["selector_stats"], self.num_selector_classes,
+                             f"selector statistics from {site}")
+            check_compatible(state["global"], update.weights["personal"], f"personalized model from {site}")
+            if update.num_samples <= 0:
+                raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
+        else:
+            FederatedMethod.validate_update(self, state, site, update)
+
+    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        from engine.fl.personalization import pfedme_server_update
+
+        if self.phase(rnd) == "calibrate":
+            new = self._calibrate(state, updates)
+            for site, update in updates.items():
+                new[f"personal/{site}"] = update.weights["personal"]
+            return new
+        new = dict(state)
+        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
+        new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
+        if self.personalization == "perfedavg":
+            new["shared"] = fedavg([(u.weights["personal"], u.num_samples) for u in updates.values()])
+        elif self.personalization == "pfedme":
+            new["shared"] = pfedme_server_update(state["shared"], [u.weights["personal"] for u in updates.values()],
+                                                 self.pcfg.pfedme_beta)
+        return new
+
+    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
+                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
+        from engine.fl.personalization import personalized_model, train_personalized_round
+
+        ctx = self._context(instructions.round, site, progress, cancel)
+        seed = self._site_seed(instructions.round, site)
+        n = len(site.train.images)
+        if self.phase(instructions.round) == "calibrate":
+            personal = personalized_model(self.personalization, self.task, instructions.weights, site.train,
+                                          self.training, self.pcfg, site.state, seed, ctx)
+            stats = self._statistics_update(instructions, site, np.full(n, site.index))
+            return SiteUpdate({"selector_stats": stats.weights["selector_stats"], "personal": personal}, n, {})
+        parts, metrics = train_personalized_round(
+            self.personalization, self.task, instructions.weights, site.index, len(self.site_names), site.train,
+            self.training, self.pcfg, site.state, seed, ctx)
+        return SiteUpdate(parts, n, metrics)
+
+
 def check_statistics(stats: Mapping[str, torch.Tensor], num_classes: int, what: str) -> None:
     """Reject selector statistics with wrong keys, shapes or non-finite values."""
     if set(stats) != set(STAT_KEYS):

@@ -1,6 +1,6 @@
 """Segment files on disk with a super-model bundle and record which model handled what.
 
-One call reads a photo, a volume (NIfTI, MHA/NRRD, a DICOM series folder) or a folder of them,
+One call reads a photo, a volume (NIfTI, MHA/NRRD, a DICOM series) or a folder of them,
 segments each through :func:`engine.inference.study.segment_with` (the path the desktop app uses
 too) and writes one mask per input through :func:`engine.io.export.export_mask`, with its
 provenance, beside a ``routing.json`` that says, per image or slice, which model segmented it and
@@ -24,6 +24,7 @@ from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
 from engine.io.export import export_mask
 from engine.io.provenance import utc_now
+from engine.io.study import Study
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,7 @@ ROUTING_FILE = "routing.json"
 #: ``--format`` choices and the mask file ending each writes.
 MASK_FORMATS = {"nifti": ".nii.gz", "png": ".png", "dicom-seg": ".dcm"}
 _SUPPORTED = (
-    f"2D photos ({', '.join(IMAGE_SUFFIXES)}), volumes ({', '.join(VOLUME_SUFFIXES)}) or a folder holding "
-    "a DICOM series"
+    f"2D photos ({', '.join(IMAGE_SUFFIXES)}), volumes ({', '.join(VOLUME_SUFFIXES)}) and DICOM series"
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
@@ -47,7 +47,7 @@ class _Input:
     """One thing to segment: a file, or one DICOM series of a folder."""
 
     path: Path
-    volumetric: bool
+    volumetric: bool | None  # None: a DICOM series, photo or volume is known once it is read
     stem: str
     series_uid: str | None = None
     slices_hint: int = 1  # header estimate, for an up-front progress total
@@ -72,7 +72,7 @@ def _file_stem(path: Path) -> str:
 
 
 def _file_kind(path: Path) -> bool | None:
-    """True for a volume file, False for a 2D photo, None for anything else."""
+    """True for a volume file, False for a 2D photo, None for anything else (by name)."""
     name = path.name.lower()
     if name.endswith(VOLUME_SUFFIXES):
         return True
@@ -81,107 +81,91 @@ def _file_kind(path: Path) -> bool | None:
     return None
 
 
-def _volume_slices_hint(path: Path) -> int:
-    """Axial slices of a volume file from its header only (closest-to-superior voxel axis)."""
-    import numpy as np
-
-    try:
-        if path.name.lower().endswith((".nii", ".nii.gz")):
-            import nibabel as nib
-
-            img = nib.load(str(path))
-            shape, axes = img.shape, np.abs(np.asarray(img.affine)[2, :3])
-        else:
-            import SimpleITK as sitk
-
-            reader = sitk.ImageFileReader()
-            reader.SetFileName(str(path))
-            reader.ReadImageInformation()
-            shape = reader.GetSize()
-            axes = np.abs(np.asarray(reader.GetDirection()).reshape(3, 3)[2]) if len(shape) == 3 else None
-    except Exception:  # a broken file is reported properly when it is read
-        return 1
-    if len(shape) < 3 or axes is None:
-        return 1
-    return int(shape[int(np.argmax(axes[: len(shape)]))])
-
-
-def _dicom_inputs(folder: Path) -> list[_Input]:
-    """Each image series of a DICOM folder (SEG objects are masks, not images, and are skipped)."""
+def _slices_hint(path: Path) -> int:
+    """Axial slices of a volume file from its header, for the progress total; 1 when unreadable."""
     from engine.io.readers import list_series
 
-    found = [info for info in list_series(folder) if info.modality != "SEG"]
+    try:
+        return max(int(list_series(path)[0].count), 1)
+    except DataError:  # a broken file is reported properly when it is read
+        return 1
+
+
+def _dicom_inputs(path: Path, stem: str) -> list[_Input]:
+    """Each image series under a folder (or the series of a DICOM file); SEG objects are masks and skipped."""
+    from engine.io.readers import list_series
+
+    found = [info for info in list_series(path) if info.modality != "SEG"]
     inputs = []
     for info in found:
-        stem = folder.name
+        name = stem
         if len(found) > 1:  # several series: tell their masks apart by description and UID tail
             label = _UNSAFE.sub("_", info.description).strip("_")[:40]
-            stem = f"{folder.name}_{label}_{info.uid[-8:]}" if label else f"{folder.name}_{info.uid[-8:]}"
-        inputs.append(_Input(folder, True, stem, series_uid=info.uid, slices_hint=max(int(info.count), 1)))
+            name = f"{stem}_{label}_{info.uid[-8:]}" if label else f"{stem}_{info.uid[-8:]}"
+        inputs.append(_Input(path, None, name, series_uid=info.uid, slices_hint=max(int(info.count), 1)))
     return inputs
 
 
-def _has_dicom_candidates(folder: Path, known: set[Path]) -> bool:
-    return any(
-        p.is_file() and not p.name.startswith(".") and p not in known and p.name != ROUTING_FILE
-        and not p.name.endswith(".json")
-        for p in folder.iterdir()
-    )
-
-
 def _collect_inputs(input_path: Path, out_dir: Path) -> list[_Input]:
+    """What to segment, decided from names and headers only (no pixels read)."""
+    from engine.io.readers import detect_format
+
     if not input_path.exists():
         raise DataError(f"{input_path}: not found; choose an image, a volume, a DICOM folder or a folder of them")
     if input_path.is_file():
-        kind = _file_kind(input_path)
-        if kind is None:
-            raise DataError(
-                f"{input_path}: unsupported file type; supported are {_SUPPORTED} (for DICOM, give the folder)"
-            )
-        hint = _volume_slices_hint(input_path) if kind else 1
-        return [_Input(input_path, kind, _file_stem(input_path), slices_hint=hint)]
-    # A folder: its supported files in name order, then its DICOM series. Masks this tool wrote
-    # into the same folder on an earlier run are skipped, so running twice does not segment them.
+        kind = detect_format(input_path)  # DataError naming the supported types for anything else
+        if kind == "dicom":
+            return _dicom_inputs(input_path, input_path.parent.name)
+        volumetric = kind == "volume"
+        return [_Input(input_path, volumetric, _file_stem(input_path))]
+    # A folder: its photos and volume files in name order (not recursive), then the DICOM series
+    # under it (recursive). Masks this tool wrote into the same folder on an earlier run are
+    # skipped, so running twice does not segment them.
     writes_here = out_dir.resolve() == input_path.resolve()
     inputs = []
-    files = set()
     for path in sorted(input_path.iterdir()):
         kind = _file_kind(path)
         if kind is None or not path.is_file() or path.name.startswith("."):
             continue
-        files.add(path)
         if writes_here and _file_stem(path).endswith("_mask"):
             continue
-        hint = _volume_slices_hint(path) if kind else 1
-        inputs.append(_Input(path, kind, _file_stem(path), slices_hint=hint))
-    if _has_dicom_candidates(input_path, files):
-        inputs.extend(_dicom_inputs(input_path))
+        inputs.append(_Input(path, kind, _file_stem(path)))
+    try:
+        inputs.extend(_dicom_inputs(input_path, input_path.name))
+    except DataError as exc:
+        if not inputs:
+            raise DataError(f"{input_path}: the folder holds no files to segment ({exc})") from exc
+        # Photos or volumes were found; a damaged DICOM file or an overfull folder beside them
+        # must not stop those.
+        log.warning("%s: DICOM series skipped (%s)", input_path, exc)
     if not inputs:
-        raise DataError(f"{input_path}: the folder holds nothing to segment; supported are {_SUPPORTED}")
+        raise DataError(f"{input_path}: the folder holds no files to segment; supported are {_SUPPORTED}")
     return inputs
 
 
-def _resolve_format(fmt: str | None, item: _Input) -> str:
+def _resolve_format(fmt: str | None, volumetric: bool) -> str:
     if fmt is None:
-        return "nifti" if item.volumetric else "png"
+        return "nifti" if volumetric else "png"
     return fmt
 
 
 def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: str | None) -> None:
     """Fail before any work when an input does not suit the bundle, the format, or two masks collide."""
     for item in inputs:
-        if item.volumetric and not task.volumetric:
+        # A DICOM series is a volume or a (colour) photo; read it to know, expect the task's kind.
+        volumetric = task.volumetric if item.volumetric is None else item.volumetric
+        if volumetric and not task.volumetric:
             raise DataError(
                 f"{item.describe()}: is a volume, but the bundle {bundle_name} segments {task.name} "
                 f"(2D photos: {', '.join(IMAGE_SUFFIXES)}); choose a {task.name} photo or a volume bundle"
             )
-        if not item.volumetric and task.volumetric:
+        if not volumetric and task.volumetric:
             raise DataError(
                 f"{item.describe()}: is a 2D photo, but the bundle {bundle_name} segments {task.name} "
                 f"(volumes: {', '.join(VOLUME_SUFFIXES)} or DICOM series); choose a volume or a fundus bundle"
             )
-        chosen = _resolve_format(fmt, item)
-        if chosen == "png" and item.volumetric:
+        chosen = _resolve_format(fmt, volumetric)
+        if chosen == "png" and volumetric:
             raise DataError(f"{item.describe()}: is a volume and PNG holds one 2D image; use --format nifti")
         if chosen == "dicom-seg" and not item.is_dicom:
             raise DataError(
@@ -190,19 +174,18 @@ def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: s
             )
     by_mask: dict[str, list[str]] = {}
     for item in inputs:
-        by_mask.setdefault(item.mask_name(_resolve_format(fmt, item)), []).append(item.describe())
+        expected = task.volumetric if item.volumetric is None else item.volumetric
+        by_mask.setdefault(item.mask_name(_resolve_format(fmt, expected)), []).append(item.describe())
     clashes = {mask: names for mask, names in by_mask.items() if len(names) > 1}
     if clashes:
         mask, names = next(iter(clashes.items()))
         raise DataError(f"inputs {', '.join(names)} would all be written to {mask}; rename all but one")
 
 
-def _open(item: _Input) -> Any:
+def _open(item: _Input, cancel: CancelCheck | None) -> Study:
     from engine.io.readers import open_study
 
-    if item.is_dicom:
-        return open_study(item.path, series_uid=item.series_uid)
-    return open_study(item.path)
+    return open_study(item.path, series_uid=item.series_uid, cancel=cancel)
 
 
 def infer_path(
@@ -224,13 +207,15 @@ def infer_path(
         The super-model ``.safetensors`` file.
     input_path
         A 2D photo (PNG/JPG/JPEG/TIF/TIFF/BMP; fundus bundles), a volume (NIfTI, MHA/MHD,
-        NRRD/NHDR; prostate bundles), a folder holding a DICOM series (every image series in it
-        is segmented; SEG objects are skipped), or a folder of those (not recursive). Volumes are
-        segmented as axial slices of their canonical RAS+ form in one batched call.
+        NRRD/NHDR; prostate bundles), a DICOM file (its series), or a folder: its photos and
+        volume files (not recursive) and every DICOM image series under it (recursive; SEG
+        objects are masks and skipped). Volumes are segmented as axial slices of their canonical
+        RAS+ form (:mod:`engine.io.study`) in one batched call.
     out_dir
         Created if needed. Receives ``<stem>_mask.<ext>`` per input (``<stem>`` is the file name
-        without suffix, or the DICOM folder's name), provenance sidecars for NIfTI and DICOM SEG
-        masks (see :mod:`engine.io.export`), and ``routing.json``.
+        without suffix, or the DICOM folder's name, plus the series description and UID tail
+        when a folder holds several series), provenance sidecars for NIfTI and DICOM SEG masks
+        (see :mod:`engine.io.export`), and ``routing.json``.
     gamma
         Routing threshold; ``None`` uses the bundle's. Ignored by FedSM-extra bundles.
     device
@@ -276,7 +261,8 @@ def infer_path(
     task = get_task(meta.task)  # known: load_bundle validated the metadata
     _check_inputs(inputs, task, loaded.name, mask_format)
 
-    hints = [item.slices_hint for item in inputs]
+    hints = [_slices_hint(item.path) if item.volumetric else item.slices_hint
+             for item in inputs]
     total = 2 * sum(hints)
     offset = 0
 
@@ -287,18 +273,18 @@ def infer_path(
     records: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)
     for n, item in enumerate(inputs):
-        study = _open(item)
+        study = _open(item, cancel)
         # Correct the up-front estimate with the real number of axial slices.
         total += 2 * (study.num_slices - hints[n])
         seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel)
         offset += 2 * study.num_slices
-        fmt = _resolve_format(mask_format, item)
+        fmt = _resolve_format(mask_format, study.kind == "volume")
         mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
         record: dict[str, Any] = {
             "input": str(item.path.resolve()),
             "mask": mask_path.name,
             "format": fmt,
-            "kind": "volume" if item.volumetric else "image",
+            "kind": "volume" if study.kind == "volume" else "image",
             "shape": list(study.shape),
             "models_used": seg.models_used,
             "images": [r.to_dict() for r in seg.records],

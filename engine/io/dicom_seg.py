@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,6 +160,26 @@ def frame_voxel_index(plane: PlaneGeometry, affine: np.ndarray, shape: Sequence[
     return index[0], index[1], index[2]
 
 
+def _item(sequence: Any) -> Any:
+    return sequence[0] if sequence else None
+
+
+def _frame_attribute(seg: Any, frame: int, group: str, attribute: str) -> Any:
+    """An attribute of a per-frame functional group, falling back to the shared groups."""
+    candidates = []
+    per_frame = seg.get("PerFrameFunctionalGroupsSequence")
+    if per_frame:
+        candidates.append(per_frame[frame])
+    shared = seg.get("SharedFunctionalGroupsSequence")
+    if shared:
+        candidates.append(shared[0])
+    for groups in candidates:
+        item = _item(groups.get(group))
+        if item is not None and attribute in item:
+            return item.get(attribute)
+    return None
+
+
 def _plane_of_image(ds: pydicom.Dataset, where: str) -> PlaneGeometry:
     """Geometry of a single-frame DICOM image from its header."""
     try:
@@ -174,6 +194,28 @@ def _plane_of_image(ds: pydicom.Dataset, where: str) -> PlaneGeometry:
         raise DataError(
             f"{where}: lacks the position, orientation, pixel spacing or size a segmentation needs ({exc})"
         ) from None
+
+
+def _planes_of_source(ds: pydicom.Dataset, where: str) -> list[PlaneGeometry]:
+    """One plane per frame of a source image: a classic single-frame file, or an enhanced multi-frame one."""
+    if int(ds.get("NumberOfFrames") or 1) == 1 and "PerFrameFunctionalGroupsSequence" not in ds:
+        return [_plane_of_image(ds, where)]
+    planes = []
+    for frame in range(int(ds.get("NumberOfFrames") or 1)):
+        position = _frame_attribute(ds, frame, "PlanePositionSequence", "ImagePositionPatient")
+        orientation = _frame_attribute(ds, frame, "PlaneOrientationSequence", "ImageOrientationPatient")
+        spacing = _frame_attribute(ds, frame, "PixelMeasuresSequence", "PixelSpacing")
+        if position is None or orientation is None or spacing is None:
+            raise DataError(f"{where}: frame {frame + 1} lacks the position, orientation or pixel spacing a "
+                            "segmentation needs")
+        planes.append(PlaneGeometry(
+            position=tuple(float(v) for v in position),  # type: ignore[arg-type]
+            orientation=tuple(float(v) for v in orientation),
+            spacing=tuple(float(v) for v in spacing),  # type: ignore[arg-type]
+            rows=int(ds.Rows),
+            columns=int(ds.Columns),
+        ))
+    return planes
 
 
 def _read_header(path: Path) -> pydicom.Dataset:
@@ -267,10 +309,18 @@ def build_dicom_seg(study: Study, labels: LabelMap, provenance: Provenance | Non
         raise DataError(f"segment values must be 1..255, got {sorted(labels.names)}")
 
     headers = [_read_header(Path(p)) for p in study.dicom_files]
-    frames = np.zeros((len(headers), headers[0].Rows, headers[0].Columns), dtype=np.uint8)
+    # Frames in highdicom's order: one per single-frame source file, or one per frame of the
+    # (single) multi-frame source.
+    sources = [(path, plane) for path, ds in zip(study.dicom_files, headers, strict=True)
+               for plane in _planes_of_source(ds, str(path))]
+    if len(sources) != len(headers) and len(headers) > 1:
+        raise DataError(
+            f"series {study.series_uid}: is stored as {len(headers)} multi-frame files; a DICOM SEG can reference "
+            "single-frame files or one multi-frame file, export the mask as NIfTI (.nii.gz) instead"
+        )
+    frames = np.zeros((len(sources), int(headers[0].Rows), int(headers[0].Columns)), dtype=np.uint8)
     coverage = np.zeros(study.shape, dtype=np.uint8)
-    for n, (path, ds) in enumerate(zip(study.dicom_files, headers, strict=True)):
-        plane = _plane_of_image(ds, str(path))
+    for n, (path, plane) in enumerate(sources):
         if (plane.rows, plane.columns) != frames.shape[1:]:
             raise DataError(
                 f"{path}: is {plane.rows}x{plane.columns} pixels but {study.dicom_files[0]} is "
@@ -288,7 +338,7 @@ def build_dicom_seg(study: Study, labels: LabelMap, provenance: Provenance | Non
         coverage[index] += 1
     if not np.all(coverage == 1):
         raise DataError(
-            f"the {len(headers)} source files cover {int(np.count_nonzero(coverage))} of {coverage.size} voxels "
+            f"the {len(sources)} source images cover {int(np.count_nonzero(coverage))} of {coverage.size} voxels "
             f"of the study ({describe_study_geometry(study)}), some of them more than once; the study's "
             "dicom_files must be exactly the series it was read from"
         )
@@ -363,26 +413,6 @@ def write_dicom_seg(
 # --- reading -------------------------------------------------------------------------------------
 
 
-def _item(sequence: Any) -> Any:
-    return sequence[0] if sequence else None
-
-
-def _frame_attribute(seg: Any, frame: int, group: str, attribute: str) -> Any:
-    """An attribute of a per-frame functional group, falling back to the shared groups."""
-    candidates = []
-    per_frame = seg.get("PerFrameFunctionalGroupsSequence")
-    if per_frame:
-        candidates.append(per_frame[frame])
-    shared = seg.get("SharedFunctionalGroupsSequence")
-    if shared:
-        candidates.append(shared[0])
-    for groups in candidates:
-        item = _item(groups.get(group))
-        if item is not None and attribute in item:
-            return item.get(attribute)
-    return None
-
-
 def _source_uid(seg: Any, frame: int) -> str | None:
     per_frame = seg.get("PerFrameFunctionalGroupsSequence")
     if not per_frame:
@@ -392,7 +422,8 @@ def _source_uid(seg: Any, frame: int) -> str | None:
     return str(source.ReferencedSOPInstanceUID) if source is not None and "ReferencedSOPInstanceUID" in source else None
 
 
-def _frame_plane(seg: Any, frame: int, sources: dict[str, PlaneGeometry], path: Path) -> PlaneGeometry:
+def _frame_plane(seg: Any, frame: int, sources: Callable[[], dict[str, PlaneGeometry]], path: Path) -> PlaneGeometry:
+    """A SEG frame's plane: its own plane position, else that of the source image it references."""
     position = _frame_attribute(seg, frame, "PlanePositionSequence", "ImagePositionPatient")
     orientation = _frame_attribute(seg, frame, "PlaneOrientationSequence", "ImageOrientationPatient")
     spacing = _frame_attribute(seg, frame, "PixelMeasuresSequence", "PixelSpacing")
@@ -405,8 +436,8 @@ def _frame_plane(seg: Any, frame: int, sources: dict[str, PlaneGeometry], path: 
             columns=int(seg.Columns),
         )
     uid = _source_uid(seg, frame)
-    if uid is not None and uid in sources:
-        return sources[uid]
+    if uid is not None and uid in sources():
+        return sources()[uid]
     raise DataError(
         f"{path}: frame {frame + 1} has no plane position and references no image of the study "
         f"({'source ' + uid if uid else 'no source reference'}); open the series the SEG was made on"
@@ -414,6 +445,7 @@ def _frame_plane(seg: Any, frame: int, sources: dict[str, PlaneGeometry], path: 
 
 
 def _source_planes(study: Study) -> dict[str, PlaneGeometry]:
+    """Plane of each single-frame source image by SOP Instance UID (for SEGs without plane positions)."""
     planes = {}
     for path in study.dicom_files:
         ds = _read_header(Path(path))
@@ -473,7 +505,14 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
         if own and seg.get("FrameOfReferenceUID") and own != seg.FrameOfReferenceUID:
             log.warning("%s: frame of reference %s differs from the study's %s; placing frames by position",
                         p, seg.FrameOfReferenceUID, own)
-    sources = _source_planes(study) if study.dicom_files else {}
+    source_planes: dict[str, PlaneGeometry] = {}
+
+    def sources() -> dict[str, PlaneGeometry]:
+        # Read the source headers only for a SEG whose frames lack plane positions.
+        if not source_planes and study.dicom_files:
+            source_planes.update(_source_planes(study))
+        return source_planes
+
     max_fraction = float(seg.get("MaximumFractionalValue", 1) or 1)
 
     out = np.zeros(study.shape, dtype=np.uint8)

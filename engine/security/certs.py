@@ -57,6 +57,12 @@ def _write_private(path: Path, data: bytes) -> None:
     os.chmod(path, 0o600)
 
 
+def write_public(path: Path, data: bytes) -> None:
+    """Write a certificate or public key atomically, readable by everyone (0644)."""
+    write_bytes_atomic(path, data)
+    os.chmod(path, 0o644)
+
+
 def _refuse_overwrite(paths: list[Path], force: bool) -> None:
     existing = [str(p) for p in paths if p.exists()]
     if existing and not force:
@@ -92,7 +98,7 @@ def create_ca(out_dir: Path, name: str = "FedSM federation CA", days: int = 3650
     )
     _write_private(paths.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                 serialization.NoEncryption()))
-    write_bytes_atomic(paths.cert, cert.public_bytes(serialization.Encoding.PEM))
+    write_public(paths.cert, cert.public_bytes(serialization.Encoding.PEM))
     return paths
 
 
@@ -142,7 +148,7 @@ def create_server_certificate(ca_dir: Path, out_dir: Path, hosts: list[str], day
     )
     _write_private(paths.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                 serialization.NoEncryption()))
-    write_bytes_atomic(paths.cert, cert.public_bytes(serialization.Encoding.PEM))
+    write_public(paths.cert, cert.public_bytes(serialization.Encoding.PEM))
     return paths
 
 
@@ -164,7 +170,7 @@ def create_site_keys(name: str, out_dir: Path, force: bool = False) -> Certifica
     # Flower's SuperNode reads its private key in OpenSSH format
     _write_private(paths.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                                 serialization.NoEncryption()))
-    write_bytes_atomic(paths.cert, public_key_pem(key.public_key()))
+    write_public(paths.cert, public_key_pem(key.public_key()))
     return paths
 
 

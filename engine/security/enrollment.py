@@ -12,8 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.errors import ConfigError
-from engine.io.atomic import write_bytes_atomic
-from engine.security.certs import key_fingerprint, load_public_key, public_key_pem
+from engine.security.certs import key_fingerprint, load_public_key, public_key_pem, write_public
 
 
 def enrolled_key_path(enrolled_dir: Path, site: str) -> Path:
@@ -43,7 +42,7 @@ def enroll_site(enrolled_dir: Path, site: str, public_key: Path, force: bool = F
     if target.exists() and target.read_bytes() != pem and not force:
         raise ConfigError(f"site {site!r} is already enrolled with another key ({target}); pass --force to replace "
                           "it, after checking the new key's fingerprint with the site")
-    write_bytes_atomic(target, pem)
+    write_public(target, pem)
     return key_fingerprint(key)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +31,7 @@ _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "ca_cert": ("ca_cert",),
     "site_key": ("private_key", "site_key"),
     "site_name": ("name", "site_name"),
+    "task": ("task",),
     "datalist": ("datalist",),
     "app_hash": ("approved_apps", "app_hash"),
 }
@@ -53,27 +57,68 @@ def setup_from_config(config: dict[str, Any], path: str) -> SiteSetup:
     return SiteSetup(config_path=path, **values)
 
 
+def site_toml(setup: SiteSetup) -> str:
+    """A ``site.toml`` holding the form's fields (``fedsm site --config`` reads it).
+
+    Empty optional fields are left out; several approved app hashes may be separated by commas.
+    """
+    def quoted(text: str) -> str:
+        return json.dumps(text)  # a JSON string is a valid TOML basic string
+
+    lines = ["# FedSM site configuration written by fedsm-gui", "[site]"]
+    for key, value in (("name", setup.site_name), ("coordinator", setup.coordinator), ("task", setup.task),
+                       ("datalist", setup.datalist)):
+        lines.append(f"{key} = {quoted(value.strip())}")
+    security = [(key, value.strip()) for key, value in (("ca_cert", setup.ca_cert), ("private_key", setup.site_key))
+                if value.strip()]
+    hashes = [h.strip() for h in setup.app_hash.split(",") if h.strip()]
+    if security or hashes:
+        lines += ["", "[security]"]
+        lines += [f"{key} = {quoted(value)}" for key, value in security]
+        if hashes:
+            lines.append(f"approved_apps = [{', '.join(quoted(h) for h in hashes)}]")
+    return "\n".join(lines) + "\n"
+
+
+def write_text_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file renamed into place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def check_rows(report: dict[str, Any]) -> tuple[list[dict[str, str]], str]:
-    """Per-file rows and a summary line from a ``validate_data`` report."""
+    """Per-file rows and a summary line from a ``validate_data`` report.
+
+    Datalist-level problems come first (file = the datalist), then one row per image and mask:
+    status ``problem`` (it cannot be used), ``warning`` (usable, but look at it) or ``ok``.
+    """
     rows: list[dict[str, str]] = []
-    items = next((report[k] for k in ("files", "results", "entries", "items") if isinstance(report.get(k), list)), [])
-    for item in items:
+    for site in report.get("sites", []) or []:
+        if isinstance(site, dict) and site.get("problems"):
+            rows.append({"file": str(site.get("datalist", "datalist")), "status": "problem",
+                         "message": "; ".join(map(str, site["problems"]))})
+    for item in report.get("files", []) or []:
         if not isinstance(item, dict):
             continue
-        problems = item.get("problems") or item.get("errors") or item.get("issues") or []
-        message = item.get("message") or "; ".join(map(str, problems if isinstance(problems, list) else [problems]))
-        ok = item.get("ok")
-        status = item.get("status") or ("ok" if ok or (ok is None and not message) else "problem")
-        name = item.get("file") or item.get("image") or item.get("path") or "?"
+        problems = [str(p) for p in item.get("problems", []) or []]
+        warnings = [str(w) for w in item.get("warnings", []) or []]
+        ok = bool(item.get("ok", not problems))
+        status = "problem" if not ok or problems else ("warning" if warnings else "ok")
+        name = Path(str(item.get("file") or item.get("image") or "?")).name
         if item.get("label"):
             name = f"{name} + {Path(str(item['label'])).name}"
-        rows.append({"file": str(name), "status": str(status), "message": str(message)})
+        rows.append({"file": name, "status": status, "message": "; ".join(problems + warnings)})
     summary = report.get("summary")
     if not isinstance(summary, str):
-        bad = sum(1 for r in rows if r["status"] not in ("ok", "OK", "pass"))
-        verdict = report.get("ok")
-        state = "ready to join" if (verdict is True or (verdict is None and bad == 0)) else "fix the files marked"
-        summary = f"{len(rows)} file(s) checked, {bad} with problems: {state}"
+        bad = sum(1 for r in rows if r["status"] == "problem")
+        summary = f"{len(rows)} file(s) checked, {bad} with problems"
     return rows, summary
 
 
@@ -97,11 +142,18 @@ class FederationController:
         state.changed.connect(self._on_changed)
         view.setup_edited.connect(self.edit_setup)
         view.load_config_requested.connect(self.load_config)
+        view.save_config_requested.connect(self.save_config)
         view.check_data_requested.connect(self.check_data)
         view.join_requested.connect(self.join)
         view.leave_requested.connect(self.leave)
+        view.app_hash_requested.connect(self.show_app_hash)
         self._push_setup()
         self._on_changed({STATUS, PROGRESS, METRICS, LEDGER, LOG})
+
+    def show_app_hash(self) -> None:
+        """Compute the hash of the app this installation runs (packs the app; imports Flower) in a worker."""
+        self.tasks.submit(lambda progress, cancel: self.api.app_hash(), on_done=self.view.set_local_app_hash,
+                          on_error=lambda exc: self.view.set_local_app_hash(f"unknown ({user_message(exc)})"))
 
     @property
     def demo(self) -> bool:
@@ -131,6 +183,23 @@ class FederationController:
                           on_error=lambda exc: self.view.set_check_results(
                               [], f"Cannot read {path}: {user_message(exc)}"))
 
+    def save_config(self, path: str) -> None:
+        """Write the form as ``site.toml`` and read it back through the engine, which checks it."""
+        target = Path(path)
+        text = site_toml(self.state.setup)
+
+        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> dict[str, Any]:
+            write_text_file(target, text)
+            return self.api.read_site_config(target)
+
+        def done(config: dict[str, Any]) -> None:
+            self.state.setup = setup_from_config(config, str(target))
+            self._push_setup()
+            self.view.set_check_results([], f"Saved {target}; Join now runs this site.")
+
+        self.tasks.submit(job, on_done=done, on_error=lambda exc: self.view.set_check_results(
+            [], f"Saved {target}, but it is not a usable site configuration: {user_message(exc)}"))
+
     def check_data(self) -> None:
         """Run the data check on the datalist (``fedsm validate-data``) and show the result per file."""
         datalist = self.state.setup.datalist.strip()
@@ -143,7 +212,8 @@ class FederationController:
             rows, summary = check_rows(report)
             self.view.set_check_results(rows, summary)
 
-        self.tasks.submit(lambda progress, cancel: self.api.validate_data([Path(datalist)]), on_done=done,
+        task = self.state.setup.task or None
+        self.tasks.submit(lambda progress, cancel: self.api.validate_data([Path(datalist)], task=task), on_done=done,
                           on_error=lambda exc: self.view.set_check_results([], f"Check failed: {user_message(exc)}"))
 
     # --- join / leave --------------------------------------------------------------------

@@ -105,6 +105,11 @@ class SegmentationController:
         self.view.set_cup_to_disc(*values)
 
     def _study_changed(self) -> None:
+        study = self.viewer.study
+        if study is not None:
+            stem = study.source.name.split(".")[0] if study.source is not None else "study"
+            suffix = ".png" if study.kind == "photo" else (".dcm" if study.source_format == "dicom" else ".nii.gz")
+            self.view.set_export_name(f"{stem}_mask{suffix}")
         if self.job is not None and not self.job.done:
             self.job.cancel()
         self._result_study = None
@@ -150,7 +155,9 @@ class SegmentationController:
             result = self.api.segment_study(bundle, study, gamma=gamma, device="auto", force_model=force,
                                             progress=lambda done, total: progress({"done": done, "total": total}),
                                             cancel=cancel)
-            return result, Slicer(result.labels.array, result.labels.array.ndim == 3)
+            slicer = Slicer(result.labels.array, result.labels.array.ndim == 3)
+            slicer.label_values()  # counted here, off the GUI thread
+            return result, slicer
 
         self.state.start()
         self.job = self.tasks.submit(job, on_done=lambda done: on_done(*done), on_error=self._failed,

@@ -141,7 +141,9 @@ class StudyController:
         self.main.set_busy(f"Opening mask {target.name} …")
         def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[LabelMap, Slicer]:
             labels = self.api.open_mask(target, study)
-            return labels, Slicer(labels.array, labels.array.ndim == 3)
+            slicer = Slicer(labels.array, labels.array.ndim == 3)
+            slicer.label_values()  # counted here, off the GUI thread
+            return labels, slicer
 
         self.job = self.tasks.submit(job, on_done=lambda result: self._mask_opened(target, study, *result),
                                      on_error=lambda exc: self._failed("Cannot open the mask", exc))

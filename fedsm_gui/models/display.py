@@ -249,6 +249,7 @@ class Slicer:
     def __init__(self, array: np.ndarray, volume: bool, budget: int = SLICE_COPY_BUDGET) -> None:
         self.array = array
         self.copies: dict[str, np.ndarray] = {}
+        self._values: tuple[int, ...] | None = None
         if volume:
             used = 0
             for view in VOLUME_VIEWS:
@@ -256,6 +257,20 @@ class Slicer:
                     break
                 self.copies[view] = _display_stack(array, view)
                 used += array.nbytes
+
+    def label_values(self) -> tuple[int, ...]:
+        """Values present in a ``uint8`` label array (computed once, slice by slice).
+
+        Counted per 2D slice so a worker thread never holds the GIL for long; call it in the
+        worker that builds the slicer, and the GUI thread gets the answer for free.
+        """
+        if self._values is None:
+            counts = np.zeros(256, dtype=np.int64)
+            planes = self.array[None] if self.array.ndim == 2 else np.moveaxis(self.array, 2, 0)
+            for plane in planes:
+                counts += np.bincount(np.asarray(plane, dtype=np.uint8).ravel(), minlength=256)
+            self._values = tuple(int(v) for v in np.flatnonzero(counts))
+        return self._values
 
     def slice(self, view: str, index: int) -> np.ndarray:
         """``view``'s slice ``index`` (same values as :func:`display_slice`)."""

@@ -31,6 +31,7 @@ class SiteSetup:
     ca_cert: str = ""
     site_key: str = ""
     site_name: str = ""
+    task: str = "fundus"
     datalist: str = ""
     app_hash: str = ""
     config_path: str = ""

@@ -61,9 +61,8 @@ class OverlayState:
         """
         old = self.layers.get(key)
         offset = _REFERENCE_COLOUR_OFFSET if key == REFERENCE_LAYER else 0
-        # bincount, not unique: a linear pass over uint8 labels (8x faster on a 512 x 512 x 32 map)
-        present = np.flatnonzero(np.bincount(np.asarray(labels.array, dtype=np.uint8).ravel(), minlength=256))
-        values = sorted(set(labels.names) | {int(v) for v in present if v > 0})
+        slicer = slicer or Slicer(labels.array, labels.array.ndim == 3)
+        values = sorted(set(labels.names) | {v for v in slicer.label_values() if v > 0})
         styles = {}
         for value in values:
             name = labels.names.get(value, f"label {value}")
@@ -74,7 +73,6 @@ class OverlayState:
                 styles[value] = LabelStyle(name, default_colour(value + offset))
         if outline is None:
             outline = old.outline if old is not None else key == REFERENCE_LAYER
-        slicer = slicer or Slicer(labels.array, labels.array.ndim == 3)
         self.layers[key] = OverlayLayer(title or (old.title if old else key), labels, slicer, styles, outline,
                                         old.visible if old else True)
         self._changed()

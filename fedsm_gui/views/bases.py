@@ -132,12 +132,18 @@ class SegmentationView:
         """Vertical cup-to-disc ratio from the model's mask (and the reference mask), fundus only."""
         raise NotImplementedError
 
+    def set_export_name(self, name: str) -> None:
+        """File name the export dialog proposes."""
+        raise NotImplementedError
+
 
 class FederationView:
     """The federation panel (site setup, data check, join/leave, live status)."""
 
     setup_edited = Intent("field: str", "value: str")
     load_config_requested = Intent("path: str")
+    save_config_requested = Intent("path: str")
+    app_hash_requested = Intent()
     check_data_requested = Intent()
     join_requested = Intent()
     leave_requested = Intent()
@@ -172,6 +178,10 @@ class FederationView:
 
     def set_check_results(self, rows: Sequence[dict[str, str]], summary: str) -> None:
         """Data check result per file: ``{"file", "status", "message"}``."""
+        raise NotImplementedError
+
+    def set_local_app_hash(self, app_hash: str) -> None:
+        """Hash of the federated app this installation runs (what the site approves)."""
         raise NotImplementedError
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QComboBox,
     QFileDialog,
     QFormLayout,
     QGroupBox,
@@ -46,6 +47,8 @@ class FederationPanel(QWidget):
 
     setup_edited = Signal(str, str)
     load_config_requested = Signal(str)
+    save_config_requested = Signal(str)
+    app_hash_requested = Signal()
     check_data_requested = Signal()
     join_requested = Signal()
     leave_requested = Signal()
@@ -71,14 +74,38 @@ class FederationPanel(QWidget):
             button.clicked.connect(lambda _=False, n=name, f=browse: self._browse(n, f))
             row.addWidget(button)
             form.addRow(label, row)
+        self.task = QComboBox()
+        self.task.setObjectName("field-task")
+        self.task.addItems(["fundus", "prostate"])
+        self.task.textActivated.connect(lambda text: self.setup_edited.emit("task", text))
+        form.insertRow(4, "Task", self.task)
         self.fields["app_hash"].setToolTip("SHA-256 of the federated app this site agreed to run; the site "
                                            "refuses any other code")
+        self.local_hash = QLabel("")
+        self.local_hash.setObjectName("local-app-hash")
+        self.local_hash.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.local_hash.setWordWrap(True)
+        self.use_hash = QPushButton("This installation's app hash…")
+        self.use_hash.setToolTip("Show the hash of the federated app this installation runs; compare it with the "
+                                 "one the coordinator announces, then approve it")
+        self.use_hash.clicked.connect(self._use_local_hash)
+        hash_row = QHBoxLayout()
+        hash_row.addWidget(self.local_hash, 1)
+        hash_row.addWidget(self.use_hash)
+        form.addRow("", hash_row)
         self.config_button = QPushButton("Load site.toml…")
         self.config_button.clicked.connect(self._browse_config)
+        self.save_button = QPushButton("Save site.toml…")
+        self.save_button.clicked.connect(self._save_config)
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.config_button)
+        buttons.addWidget(self.save_button)
+        buttons.addStretch(1)
+        form.addRow(buttons)
         self.mode_label = QLabel()
         self.mode_label.setObjectName("federation-mode")
         self.mode_label.setWordWrap(True)
-        form.addRow(self.config_button, self.mode_label)
+        form.addRow(self.mode_label)
 
         # --- data check
         check = QGroupBox("Data check")
@@ -180,6 +207,20 @@ class FederationPanel(QWidget):
             self.fields[field].setText(path)
             self.setup_edited.emit(field, path)
 
+    def _use_local_hash(self) -> None:
+        value = self.use_hash.property("hash")
+        if not value:
+            self.local_hash.setText("computing …")
+            self.app_hash_requested.emit()
+            return
+        self.fields["app_hash"].setText(value)
+        self.setup_edited.emit("app_hash", value)
+
+    def _save_config(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save site configuration", "site.toml", "Site config (*.toml)")
+        if path:
+            self.save_config_requested.emit(path)
+
     def _browse_config(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Site configuration", "", "Site config (*.toml)")
         if path:
@@ -189,9 +230,11 @@ class FederationPanel(QWidget):
     def set_setup(self, setup: Any, demo: bool) -> None:
         for name, edit in self.fields.items():
             edit.setText(str(getattr(setup, name, "")))
+        self.task.setCurrentText(setup.task or "fundus")
         if demo:
-            self.mode_label.setText("No site configuration loaded: Join starts a simulated site in a small "
-                                    "in-process demo federation (synthetic data, nothing leaves this computer).")
+            self.mode_label.setText("No site configuration yet: fill the form and Save site.toml (or load one). "
+                                    "Until then Join starts a simulated site in a small in-process demo federation "
+                                    "(synthetic data, nothing leaves this computer).")
         else:
             self.mode_label.setText(f"Join runs the site with {setup.config_path}")
 
@@ -202,6 +245,8 @@ class FederationPanel(QWidget):
         self.leave_button.setEnabled(running)
         for edit in self.fields.values():
             edit.setReadOnly(running)
+        self.task.setEnabled(not running)
+        self.save_button.setEnabled(not running)
 
     def set_progress(self, round_: int, rounds: int, batch: int, batches: int) -> None:
         self.round_label.setText(f"Round {round_ or '—'} of {rounds or '—'}")
@@ -242,6 +287,12 @@ class FederationPanel(QWidget):
     def append_log(self, lines: Sequence[str]) -> None:
         for line in lines:
             self.log.appendPlainText(line)
+
+    def set_local_app_hash(self, app_hash: str) -> None:
+        known = app_hash.startswith("sha256:")
+        self.local_hash.setText(f"this installation's app: {app_hash}")
+        self.use_hash.setProperty("hash", app_hash if known else "")
+        self.use_hash.setText("Approve it" if known else "This installation's app hash…")
 
     def set_check_results(self, rows: Sequence[dict[str, str]], summary: str) -> None:
         self.check_summary.setText(summary)

@@ -27,6 +27,10 @@ from fedsm_gui.views.confidence_strip import ConfidenceStrip, model_colour
 EXPORT_FILTERS = "NIfTI (*.nii.gz);;PNG label map (*.png);;DICOM SEG (*.dcm)"
 
 
+def _fmt_number(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, int | float) else "?"
+
+
 def _fmt_dice(value: Any) -> str:
     return "—" if value is None else f"{float(value):.3f}"
 
@@ -124,6 +128,7 @@ class SegmentationPanel(QGroupBox):
         layout.addWidget(self.cdr_label)
         layout.addStretch(1)
         self._gamma_value: float | None = None
+        self._export_name = "mask.nii.gz"
 
     # --- dialogs -------------------------------------------------------------------------
     def _browse_bundle(self) -> None:
@@ -132,7 +137,7 @@ class SegmentationPanel(QGroupBox):
             self.load_bundle_requested.emit(path)
 
     def _browse_export(self) -> None:
-        path, chosen = QFileDialog.getSaveFileName(self, "Export mask", "mask.nii.gz", EXPORT_FILTERS)
+        path, chosen = QFileDialog.getSaveFileName(self, "Export mask", self._export_name, EXPORT_FILTERS)
         if path:
             suffix = {"NIfTI": ".nii.gz", "PNG": ".png", "DICOM": ".dcm"}
             for key, ext in suffix.items():
@@ -157,7 +162,8 @@ class SegmentationPanel(QGroupBox):
         self.metadata_label.setText(
             f"<b>{metadata.get('task', '?')}</b> · {metadata.get('method', '?')} · "
             f"{len(metadata.get('site_names', []))} sites · {metadata.get('rounds', '?')} rounds · "
-            f"λ {metadata.get('lam', '?')} · γ {metadata.get('gamma', '?')} · routing {metadata.get('routing', '?')}"
+            f"λ {_fmt_number(metadata.get('lam'))} · γ {_fmt_number(metadata.get('gamma'))} · "
+            f"routing {metadata.get('routing', '?')}"
             f"<br>labels: {', '.join(metadata.get('label_names', []))}"
             f"<table><tr><th align='left'>site</th><th>validation Dice</th></tr>{rows}</table>")
 
@@ -208,6 +214,9 @@ class SegmentationPanel(QGroupBox):
         self.current_label.setText(
             f"Slice {index + 1}: <b style='color:{colour}'>{model}</b> model, confidence {confidence:.2f}"
             f"<br>selector: {probs}<br>runner-up: {runner_up or '—'}")
+
+    def set_export_name(self, name: str) -> None:
+        self._export_name = name
 
     def set_cup_to_disc(self, model_value: float | None, reference_value: float | None) -> None:
         parts = []

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import random_split
+from testsupport import random_split
 
 from engine.errors import WeightsError
 from engine.federation.inprocess import run_rounds

@@ -11,11 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gui_helpers import TINY_DEMO
 
 from engine.io.study import LabelMap, Study
-
-#: Demo settings small enough for tests: one 32-pixel round (a few seconds on one core).
-TINY_DEMO = {"image_size": 32, "rounds": 1, "epochs": 1, "study_size": 64}
 
 
 @pytest.fixture(autouse=True)
@@ -92,23 +90,3 @@ def fedsm_app(qtbot, tmp_path: Path):
     yield app
     app.shutdown(timeout_ms=20000)
 
-
-@pytest.fixture(autouse=True)
-def photo_readers_until_io_lands(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stand-in ``open_study``/``open_mask`` for PNG photos while ``engine.io.readers`` is not in
-    ``engine.api`` yet (the I/O helper adds them); a no-op once the real readers exist."""
-    import engine.api
-
-    if hasattr(engine.api, "open_study"):
-        return
-    from PIL import Image
-
-    def open_study(path, series_uid=None, progress=None, cancel=None):
-        array = np.asarray(Image.open(path).convert("RGB"), dtype=np.uint8).copy()
-        return Study(array, "photo", np.eye(4), (1.0, 1.0), modality="OP", source=Path(path), source_format="png")
-
-    def open_mask(path, study, convention=None):
-        return LabelMap(np.asarray(Image.open(path), dtype=np.uint8).copy(), {1: "rim", 2: "cup"}, Path(path))
-
-    monkeypatch.setattr(engine.api, "open_study", open_study, raising=False)
-    monkeypatch.setattr(engine.api, "open_mask", open_mask, raising=False)

@@ -8,7 +8,7 @@ from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
-from gui_fakes import DeferredTaskRunner, FakeProcess, SyncTaskRunner
+from gui_helpers import DeferredTaskRunner, FakeProcess, SyncTaskRunner
 
 from engine.errors import DataError
 from engine.io.study import LabelMap, SeriesInfo
@@ -316,13 +316,13 @@ def test_federation_controller_joins_the_demo_site_and_shows_events(tmp_path):
 
 
 def test_federation_controller_uses_a_site_config_when_loaded(tmp_path):
-    config = {"name": "hospital-a", "coordinator": "10.0.0.1:9092", "datalist": "/d/datalist.json",
+    config = {"name": "hospital-a", "task": "prostate", "coordinator": "10.0.0.1:9092", "datalist": "/d/datalist.json",
               "ca_cert": "/d/ca.pem", "private_key": "/d/site.key", "approved_apps": ["ab" * 32]}
     api = SimpleNamespace(read_site_config=MagicMock(return_value=config),
                           site_command=MagicMock(return_value=["fedsm", "site", "--json"]),
                           validate_data=MagicMock(return_value={"ok": False, "files": [
-                              {"file": "a.png", "ok": True}, {"file": "b.png", "ok": False,
-                                                               "problems": ["mask is RGB"]}]}))
+                              {"file": "/d/a.png", "ok": True}, {"file": "/d/b.png", "label": "/d/b_mask.png",
+                                                                 "ok": False, "problems": ["mask is RGB"]}]}))
     t = _federation(api, tmp_path)
     t.ctrl.load_config(str(tmp_path / "site.toml"))
     setup = t.view.set_setup.call_args.args[0]
@@ -333,9 +333,9 @@ def test_federation_controller_uses_a_site_config_when_loaded(tmp_path):
     t.process.exit(1)
     assert t.state.status == "failed"
     t.ctrl.check_data()
-    api.validate_data.assert_called_once_with([Path("/d/datalist.json")])
+    api.validate_data.assert_called_once_with([Path("/d/datalist.json")], task="prostate")
     rows, summary = t.view.set_check_results.call_args.args
-    assert rows[1] == {"file": "b.png", "status": "problem", "message": "mask is RGB"}
+    assert rows[1] == {"file": "b.png + b_mask.png", "status": "problem", "message": "mask is RGB"}
     assert "1 with problems" in summary
 
 
@@ -355,3 +355,55 @@ def test_demo_site_command_is_a_python_module_call(tmp_path):
     assert argv[:3] == [sys.executable, "-m", "engine.federation.demo_site"]
     assert argv[argv.index("--site") + 1] == "site2" and argv[argv.index("--rounds") + 1] == "4"
 
+
+
+def test_site_toml_from_the_form_is_read_back_by_the_engine(tmp_path):
+    import tomllib
+
+    from engine.federation.config import load_site_config
+    from fedsm_gui.controllers.federation import site_toml
+    from fedsm_gui.models.federation import SiteSetup
+
+    setup = SiteSetup(coordinator="10.0.0.5:9092", ca_cert="/pki/ca.pem", site_key="/pki/site \"a\".key",
+                      site_name="hospital-a", task="prostate", datalist="/data/datalist.json",
+                      app_hash=f"{'ab' * 32}, {'cd' * 32}")
+    text = site_toml(setup)
+    doc = tomllib.loads(text)
+    assert doc["site"] == {"name": "hospital-a", "coordinator": "10.0.0.5:9092", "task": "prostate",
+                           "datalist": "/data/datalist.json"}
+    assert doc["security"]["private_key"] == '/pki/site "a".key'
+    assert doc["security"]["approved_apps"] == ["ab" * 32, "cd" * 32]
+    path = tmp_path / "site.toml"
+    path.write_text(text)
+    cfg = load_site_config(path, check_files=False)
+    assert (cfg.name, cfg.task) == ("hospital-a", "prostate")
+    assert cfg.approved_apps == (f"sha256:{'ab' * 32}", f"sha256:{'cd' * 32}")
+    assert "[security]" not in site_toml(SiteSetup(site_name="x", coordinator="127.0.0.1:1"))
+
+
+def test_save_config_writes_and_validates_through_the_api(tmp_path):
+    api = SimpleNamespace(read_site_config=MagicMock(side_effect=lambda p: {"name": "x", "task": "fundus",
+                                                                              "coordinator": "127.0.0.1:9092"}))
+    t = _federation(api, tmp_path)
+    t.ctrl.edit_setup("site_name", "x")
+    t.ctrl.save_config(str(tmp_path / "cfg" / "site.toml"))
+    assert (tmp_path / "cfg" / "site.toml").read_text().startswith("# FedSM site configuration")
+    assert not t.ctrl.demo and "Join now runs this site" in t.view.set_check_results.call_args.args[1]
+    api.read_site_config.side_effect = ValueError("bad")
+    t.ctrl.save_config(str(tmp_path / "site2.toml"))
+    assert "not a usable site configuration" in t.view.set_check_results.call_args.args[1]
+
+
+def test_export_name_follows_the_study(tmp_path, volume_study, photo_study):
+    t = _segmentation(_api_for_segmentation(tmp_path), volume_study)
+    t.view.set_export_name.assert_called_with("volume_mask.nii.gz")
+    t.viewer.set_study(photo_study)
+    t.view.set_export_name.assert_called_with("photo_mask.png")
+
+
+def test_app_hash_is_computed_on_request(tmp_path):
+    api = SimpleNamespace(app_hash=MagicMock(return_value="sha256:" + "ef" * 32))
+    t = _federation(api, tmp_path)
+    api.app_hash.assert_not_called()  # packing the app imports Flower: only when asked
+    t.ctrl.show_app_hash()
+    t.view.set_local_app_hash.assert_called_once_with("sha256:" + "ef" * 32)

@@ -144,3 +144,13 @@ def test_slicer_serves_the_same_slices_contiguously(budget):
     assert len(slicer.copies) == {10**9: 3, 0: 0}.get(budget, 2)
     photo = np.zeros((4, 5, 3), dtype=np.uint8)
     assert Slicer(photo, volume=False).slice("photo", 0) is photo
+
+
+def test_slicer_counts_label_values_of_maps_and_photos_masks():
+    from fedsm_gui.models.display import Slicer
+
+    labels = np.zeros((6, 5, 4), dtype=np.uint8)
+    labels[1, 1, 3] = 7
+    labels[2, 2, 0] = 2
+    assert Slicer(labels, volume=True).label_values() == (0, 2, 7)
+    assert Slicer(labels[:, :, 0], volume=False).label_values() == (0, 2)

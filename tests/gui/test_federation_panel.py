@@ -90,4 +90,5 @@ def test_join_shows_live_progress_and_leave_stops_the_site(fedsm_app, qtbot, sit
     panel.leave_button.click()
     qtbot.waitUntil(lambda: not app.process.running, timeout=30_000)
     assert state.status == "stopped" and panel.join_button.isEnabled()
+    assert "disconnected (stopped by the operator (SIGTERM))" in panel.log.toPlainText()  # it left cleanly
     assert state.round < state.rounds  # it really left mid-run

@@ -151,3 +151,59 @@ def test_canvas_rejects_arrays_it_cannot_show():
         to_qimage(np.zeros((4, 4), dtype=np.float32))
     with pytest.raises(ValueError, match="cannot show"):
         to_qimage(np.zeros((4, 4, 2), dtype=np.uint8))
+
+
+def _drop(window, path, modifiers=Qt.KeyboardModifier.NoModifier):
+    from PySide6.QtCore import QMimeData, QUrl
+    from PySide6.QtGui import QDropEvent
+
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(path))])
+    event = QDropEvent(QPointF(10, 10), Qt.DropAction.CopyAction, mime, Qt.MouseButton.NoButton, modifiers)
+    window.dropEvent(event)
+
+
+def test_dropping_files_opens_studies_masks_and_models(qtbot, tmp_path):
+    window = MainWindow()
+    qtbot.addWidget(window)
+    with qtbot.waitSignal(window.open_requested) as study:
+        _drop(window, tmp_path / "case.nii.gz")
+    assert study.args == [str(tmp_path / "case.nii.gz")]
+    with qtbot.waitSignal(window.open_mask_requested) as mask:
+        _drop(window, tmp_path / "mask.png", Qt.KeyboardModifier.ShiftModifier)
+    assert mask.args == [str(tmp_path / "mask.png")]
+    with qtbot.waitSignal(window.segmentation_panel.load_bundle_requested) as bundle:
+        _drop(window, tmp_path / "model.safetensors")
+    assert bundle.args == [str(tmp_path / "model.safetensors")]
+
+
+def test_recent_menu_and_series_dialog(qtbot):
+    from engine.io.study import SeriesInfo
+    from fedsm_gui.views.main_window import SeriesDialog
+
+    window = MainWindow()
+    qtbot.addWidget(window)
+    window.set_recent(["/data/a.nii.gz", "/data/dicom"])
+    actions = window.recent_menu.actions()
+    assert [a.text() for a in actions] == ["/data/a.nii.gz", "/data/dicom"]
+    with qtbot.waitSignal(window.open_requested) as opened:
+        actions[1].trigger()
+    assert opened.args == ["/data/dicom"]
+    dialog = SeriesDialog([SeriesInfo("1.2.3", "T2 tra", "MR", 19, (384, 384)), SeriesInfo("1.2.4", "", "SEG", 3)],
+                          window)
+    assert dialog.list.count() == 2 and "T2 tra — MR, 19 image(s), 384×384" in dialog.list.item(0).text()
+    dialog.list.setCurrentRow(1)
+    assert dialog.chosen_uid() == "1.2.4"
+    dialog.deleteLater()
+
+
+def test_approving_this_installations_app_hash(qtbot):
+    panel = FederationPanel()
+    qtbot.addWidget(panel)
+    with qtbot.waitSignal(panel.app_hash_requested):
+        panel.use_hash.click()
+    panel.set_local_app_hash("sha256:" + "ab" * 32)
+    with qtbot.waitSignal(panel.setup_edited) as edited:
+        panel.use_hash.click()
+    assert edited.args == ["app_hash", "sha256:" + "ab" * 32]
+    assert panel.fields["app_hash"].text() == "sha256:" + "ab" * 32

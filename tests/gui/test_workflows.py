@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
-from conftest import TINY_DEMO
+from gui_helpers import TINY_DEMO
 from PIL import Image
 
 import engine.api
@@ -114,7 +113,6 @@ def test_broken_files_show_a_message_not_a_crash(fedsm_app, qtbot, tmp_path):
     assert "no such file" in app.window.banner.label.text()
 
 
-@pytest.mark.skipif(not hasattr(engine.api, "list_series"), reason="study readers not in engine.api yet")
 def test_broken_image_file_shows_the_readers_message(fedsm_app, qtbot, tmp_path):
     app = fedsm_app
     broken = tmp_path / "broken.nii.gz"
@@ -123,3 +121,24 @@ def test_broken_image_file_shows_the_readers_message(fedsm_app, qtbot, tmp_path)
     qtbot.waitUntil(lambda: app.window.banner.isVisibleTo(app.window), timeout=WAIT_MS)
     assert "broken.nii.gz" in app.window.banner.label.text()
     assert app.viewer_state.study is None
+
+
+def test_check_data_lists_every_file_with_its_status(fedsm_app, qtbot, tiny_demo, tmp_path):
+    import shutil
+
+    app = fedsm_app
+    site = tmp_path / "site1"
+    shutil.copytree(Path(tiny_demo["data_dir"]) / "site1", site)
+    broken = sorted((site / "labels").iterdir())[0]
+    broken.write_bytes(b"not a png")
+    panel = app.window.federation_panel
+    panel.fields["datalist"].setText(str(site / "datalist.json"))
+    panel.fields["datalist"].textEdited.emit(str(site / "datalist.json"))
+    panel.check_button.click()
+    qtbot.waitUntil(lambda: panel.check_table.rowCount() > 0, timeout=WAIT_MS)
+    statuses = {panel.check_table.item(r, 0).text(): panel.check_table.item(r, 1).text()
+                for r in range(panel.check_table.rowCount())}
+    assert len(statuses) == 8  # site 1 of the synthetic federation holds 8 cases
+    bad = [name for name, status in statuses.items() if status == "problem"]
+    assert len(bad) == 1 and broken.name in bad[0]
+    assert "1 with problems" in panel.check_summary.text()

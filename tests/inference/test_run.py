@@ -188,15 +188,23 @@ def test_photo_with_a_prostate_bundle(bundles: dict[str, Path], tmp_path: Path) 
 
 
 def test_volume_with_a_fundus_bundle(bundles: dict[str, Path], tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"NIfTI volume.*fundus"):
+    with pytest.raises(DataError, match=r"is a volume.*fundus"):
         infer_path(bundles["fundus"], volume(tmp_path / "v.nii.gz"), tmp_path / "out", device="cpu")
 
 
 def test_unsupported_suffix(bundles: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("not an image")
+    with pytest.raises(DataError, match=r"unsupported.*\.nii\.gz.*\.png"):
+        infer_path(bundles["fundus"], path, tmp_path / "out", device="cpu")
+
+
+def test_file_named_like_dicom_but_is_not(bundles: dict[str, Path], tmp_path: Path) -> None:
     path = tmp_path / "scan.dcm"
     path.write_bytes(b"DICM")
-    with pytest.raises(DataError, match=r"unsupported.*\.png.*\.nii\.gz"):
-        infer_path(bundles["fundus"], path, tmp_path / "out", device="cpu")
+    with pytest.raises(DataError, match=r"scan\.dcm.*no DICOM image"):
+        infer_path(bundles["prostate"], path, tmp_path / "out", device="cpu")
+    assert not (tmp_path / "out").exists()
 
 
 def test_empty_folder(bundles: dict[str, Path], tmp_path: Path) -> None:
@@ -224,3 +232,161 @@ def test_unreadable_photo(bundles: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "broken.png").write_bytes(b"not a png")
     with pytest.raises(DataError, match=r"broken\.png"):
         infer_path(bundles["fundus"], tmp_path / "broken.png", tmp_path / "out", device="cpu")
+
+
+# --- DICOM series, MHA/NRRD, mask formats --------------------------------------------------------
+
+
+def _corners_lps(image) -> set[tuple[float, ...]]:
+    """Physical (LPS) points of an image's 8 corner voxels, as ITK (Slicer, ITK-SNAP) places them."""
+    size = image.GetSize()
+    return {
+        tuple(round(v, 3) for v in image.TransformIndexToPhysicalPoint((i, j, k)))
+        for i in (0, size[0] - 1) for j in (0, size[1] - 1) for k in (0, size[2] - 1)
+    }
+
+
+def test_dicom_folder_gives_a_seg_that_reads_back_as_the_segmentation(
+    bundles: dict[str, Path], tmp_path: Path
+) -> None:
+    from synthetic_dicom import canonical_study, write_series
+
+    from engine.inference.study import segment_study
+    from engine.io.dicom_seg import read_dicom_seg
+    from engine.io.export import read_provenance
+
+    # Prepare: an oblique synthetic MR series in a folder, files named out of slice order
+    paths, pixels = write_series(tmp_path / "case7", rows=40, columns=36, slices=5, angle_deg=15.0)
+    out = tmp_path / "out"
+    # Execute
+    result = infer_path(bundles["prostate"], tmp_path / "case7", out, device="cpu", mask_format="dicom-seg")
+    # Assert
+    [entry] = result["inputs"]
+    assert entry["mask"] == "case7_mask.dcm" and entry["format"] == "dicom-seg"
+    assert entry["series_uid"] == str(pydicom_uid(paths[0]))
+    assert len(entry["images"]) == 5
+    study = canonical_study(paths, pixels)
+    expected = segment_study(bundles["prostate"], study, device="cpu")
+    labels = read_dicom_seg(out / "case7_mask.dcm", study)
+    np.testing.assert_array_equal(labels.array, expected.labels.array)
+    assert [r["model"] for r in entry["images"]] == [r.model for r in expected.records]
+    prov = read_provenance(out / "case7_mask.dcm")  # from the sidecar
+    assert prov.bundle_sha256 == result["bundle"]["sha256"] and len(prov.images) == 5
+    assert sorted(p.name for p in out.iterdir()) == ["case7_mask.dcm", "case7_mask.provenance.json", "routing.json"]
+
+
+def pydicom_uid(path: Path) -> str:
+    import pydicom
+
+    return str(pydicom.dcmread(path, stop_before_pixels=True).SeriesInstanceUID)
+
+
+def test_dicom_folder_default_nifti_lies_on_the_series(bundles: dict[str, Path], tmp_path: Path) -> None:
+    import SimpleITK as sitk
+    from synthetic_dicom import write_series
+
+    paths, _ = write_series(tmp_path / "case8", rows=20, columns=24, slices=3, angle_deg=30.0)
+    infer_path(bundles["prostate"], tmp_path / "case8", tmp_path / "out", device="cpu")
+    mask = sitk.ReadImage(str(tmp_path / "out" / "case8_mask.nii.gz"))
+    reader = sitk.ImageSeriesReader()
+    reader.SetFileNames([str(p) for p in paths])
+    series = reader.Execute()
+    assert _corners_lps(mask) == _corners_lps(series)
+
+
+@pytest.mark.parametrize("suffix", [".mha", ".nrrd"])
+def test_mha_and_nrrd_volumes(bundles: dict[str, Path], tmp_path: Path, suffix: str) -> None:
+    import SimpleITK as sitk
+
+    data = np.random.default_rng(3).normal(200.0, 50.0, (4, 30, 26)).astype(np.float32)  # (z, y, x)
+    image = sitk.GetImageFromArray(data)
+    image.SetSpacing((0.7, 0.8, 2.5))
+    image.SetOrigin((10.0, -20.0, 5.0))
+    a = np.deg2rad(10.0)
+    image.SetDirection((np.cos(a), -np.sin(a), 0.0, np.sin(a), np.cos(a), 0.0, 0.0, 0.0, 1.0))
+    source = tmp_path / f"vol{suffix}"
+    sitk.WriteImage(image, str(source))
+    calls: list[tuple[int, int]] = []
+    result = infer_path(bundles["prostate"], source, tmp_path / "out", device="cpu",
+                        progress=lambda d, t: calls.append((d, t)))
+    assert result["inputs"][0]["mask"] == "vol_mask.nii.gz"
+    mask = sitk.ReadImage(str(tmp_path / "out" / "vol_mask.nii.gz"))
+    assert _corners_lps(mask) == _corners_lps(image)
+    assert calls[-1] == (8, 8)  # 4 axial slices, counted from the header up front
+
+
+def test_format_that_does_not_fit_the_input_is_refused_up_front(bundles: dict[str, Path], tmp_path: Path) -> None:
+    source = volume(tmp_path / "v.nii.gz")
+    with pytest.raises(DataError, match=r"PNG holds one 2D image; use --format nifti"):
+        infer_path(bundles["prostate"], source, tmp_path / "out", device="cpu", mask_format="png")
+    with pytest.raises(DataError, match=r"DICOM SEG must reference a DICOM series.*--format nifti"):
+        infer_path(bundles["prostate"], source, tmp_path / "out", device="cpu", mask_format="dicom-seg")
+    assert not (tmp_path / "out").exists()
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown mask format 'jpeg'"):
+        infer_path(bundles["prostate"], source, tmp_path / "out", device="cpu", mask_format="jpeg")
+
+
+def test_rerun_into_a_dicom_folder_skips_the_seg_it_wrote(bundles: dict[str, Path], tmp_path: Path) -> None:
+    from synthetic_dicom import write_series
+
+    write_series(tmp_path / "case9", rows=16, columns=16, slices=2)
+    first = infer_path(bundles["prostate"], tmp_path / "case9", tmp_path / "case9", device="cpu",
+                       mask_format="dicom-seg")
+    second = infer_path(bundles["prostate"], tmp_path / "case9", tmp_path / "case9", device="cpu",
+                        mask_format="dicom-seg")
+    assert [e["mask"] for e in second["inputs"]] == [e["mask"] for e in first["inputs"]] == ["case9_mask.dcm"]
+
+
+def test_cli_format_flag(bundles: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.main import main
+
+    source = volume(tmp_path / "v.nii.gz", shape=(16, 16, 2))
+    assert main(["infer", "--model", str(bundles["prostate"]), "--input", str(source), "--out",
+                 str(tmp_path / "out"), "--device", "cpu", "--format", "nifti"]) == 0
+    assert (tmp_path / "out" / "v_mask.nii.gz").is_file()
+    assert main(["infer", "--model", str(bundles["prostate"]), "--input", str(source), "--out",
+                 str(tmp_path / "out"), "--device", "cpu", "--format", "dicom-seg"]) == 2
+    assert "DICOM SEG must reference a DICOM series" in capsys.readouterr().err
+
+
+def test_dicom_file_and_folder_with_two_series(bundles: dict[str, Path], tmp_path: Path) -> None:
+    from synthetic_dicom import write_series
+
+    first, _ = write_series(tmp_path / "study" / "t2", rows=16, columns=16, slices=2, seed=1)
+    write_series(tmp_path / "study" / "adc", rows=12, columns=10, slices=3, seed=2)
+    # One file: its series.
+    single = infer_path(bundles["prostate"], first[0], tmp_path / "one", device="cpu")
+    assert [(e["mask"], e["shape"]) for e in single["inputs"]] == [("t2_mask.nii.gz", [16, 16, 2])]
+    # A folder: every series under it, masks told apart by series UID.
+    both = infer_path(bundles["prostate"], tmp_path / "study", tmp_path / "two", device="cpu")
+    masks = sorted(e["mask"] for e in both["inputs"])
+    assert len(masks) == 2 and all(m.startswith("study_") and m.endswith("_mask.nii.gz") for m in masks)
+    assert sorted(len(e["images"]) for e in both["inputs"]) == [2, 3]
+
+
+
+def test_colour_dicom_photo_with_a_fundus_bundle(bundles: dict[str, Path], tmp_path: Path) -> None:
+    import pydicom
+    from pydicom.dataset import FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    rgb = np.random.default_rng(5).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    ds = pydicom.Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds.SOPClassUID = "1.2.840.10008.5.1.4.1.1.77.1.5.1"  # Ophthalmic Photography 8 Bit Image Storage
+    ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = generate_uid()
+    ds.file_meta.MediaStorageSOPClassUID = ds.SOPClassUID
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = generate_uid(), generate_uid()
+    ds.Modality, ds.Rows, ds.Columns = "OP", 30, 40
+    ds.SamplesPerPixel, ds.PhotometricInterpretation, ds.PlanarConfiguration = 3, "RGB", 0
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 8, 8, 7, 0
+    ds.PixelData = rgb.tobytes()
+    (tmp_path / "eye").mkdir()
+    ds.save_as(tmp_path / "eye" / "photo.dcm", enforce_file_format=True)
+    result = infer_path(bundles["fundus"], tmp_path / "eye", tmp_path / "out", device="cpu")
+    [entry] = result["inputs"]
+    assert (entry["mask"], entry["kind"], entry["shape"]) == ("eye_mask.png", "image", [30, 40])
+    assert read_label_png(tmp_path / "out" / "eye_mask.png").shape == (30, 40)

@@ -15,9 +15,9 @@ Site (``fedsm site``)::
 
 Modules: :mod:`.launch` (runs a Flower component as a child with a parent watchdog),
 :mod:`.processes` (starting, watching and stopping children by PID), :mod:`.records`
-(payloads as Flower records), :mod:`.app_bundle` (the FAB a site approves), :mod:`.control`
-(control API calls), :mod:`.fleet_front`, :mod:`.server_app`, :mod:`.server`,
-:mod:`.client_app`, :mod:`.site`.
+(payloads as Flower records), :mod:`.transfer` (prompt object pulls), :mod:`.app_bundle` (the
+FAB a site approves), :mod:`.control` (control API calls), :mod:`.fleet_front`,
+:mod:`.server_app`, :mod:`.server`, :mod:`.client_app`, :mod:`.site`.
 """
 
 import os

@@ -134,6 +134,7 @@ class SiteWorker:
         reply = records.encode_update(_with_timing(update, train_s), site=self.cfg.name, rnd=rnd)
 
         def report() -> None:
+            wall_s = time.monotonic() - received_at  # received -> answer handed to the SuperNode
             loss = {k: v for k, v in update.metrics.items() if k.startswith("loss")}
             self.events.emit("sent", round=rnd, bytes=records.record_bytes(reply), contents={
                 "tensors": records.record_contents(reply), "num_examples": update.num_samples,
@@ -141,7 +142,7 @@ class SiteWorker:
             dice = (self._validation_dice(method, ins.instructions.weights, update, runtime, data)
                     if self.validate else {})
             self.events.emit("metrics", round=rnd, loss=loss, dice=dice, train_s=round(train_s, 3))
-            self.events.emit("round_end", round=rnd, rounds=total, wall_s=round(time.monotonic() - received_at, 3))
+            self.events.emit("round_end", round=rnd, rounds=total, wall_s=round(wall_s, 3))
 
         self.after_reply = PendingReport(report)
         return reply

@@ -59,6 +59,7 @@ class FleetFront:
         self.record = record
         self._server: object | None = None
         self._thread: threading.Thread | None = None
+        self._client: httpx.AsyncClient | None = None
 
     def _app(self):
         from starlette.applications import Starlette
@@ -66,11 +67,8 @@ class FleetFront:
         from starlette.responses import PlainTextResponse, Response
         from starlette.routing import Route
 
-        verify: bool | str = str(self.ca_cert) if self.ca_cert else False
-        client: httpx.AsyncClient | None = None
-
         async def forward(request: Request) -> Response:
-            nonlocal client
+            client = self._client
             path = request.url.path
             if request.method != "POST" or not path.startswith(FLEET_PREFIX) or ".." in path:
                 return PlainTextResponse("not found\n", status_code=404)
@@ -80,7 +78,7 @@ class FleetFront:
             if self.record is not None:
                 self.record(path, body)
             if client is None:
-                client = httpx.AsyncClient(verify=verify, timeout=httpx.Timeout(120.0, connect=10.0))
+                return PlainTextResponse("coordinator not ready\n", status_code=503)
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_HEADERS}
             try:
                 upstream = await client.post(self.upstream + path, content=body, headers=headers)
@@ -107,7 +105,16 @@ class FleetFront:
                                 ssl_keyfile=str(self.keyfile) if self.keyfile else None)
         server = uvicorn.Server(config)
         self._server = server
-        self._thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True, name="fleet-front")
+        verify: bool | str = str(self.ca_cert) if self.ca_cert else False
+
+        async def serve() -> None:
+            # the upstream connections close with the server, so the SuperLink can stop promptly
+            async with httpx.AsyncClient(verify=verify, timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+                self._client = client
+                await server.serve()
+            self._client = None
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True, name="fleet-front")
         self._thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -65,12 +65,14 @@ def _prompt_supernode(cap: float) -> None:
     from flwr.supercore.inflatable import inflatable_utils
     from flwr.supernode import start_client_internal
 
-    from engine.federation.flower.transfer import PULL_BACKOFF
+    from engine.federation.flower.transfer import BACKOFF_CAP, INITIAL_BACKOFF
 
     module: ModuleType = start_client_internal
     module.time = _CappedTime(cap)  # type: ignore[attr-defined]
     # the SuperNode's pulls of a message's objects from the coordinator: same prompt back-off
-    module.pull_objects = functools.partial(inflatable_utils.pull_objects, **PULL_BACKOFF)  # type: ignore[attr-defined]
+    module.pull_objects = functools.partial(  # type: ignore[attr-defined]
+        inflatable_utils.pull_objects, initial_backoff=INITIAL_BACKOFF, backoff_cap=BACKOFF_CAP,
+        max_tries_per_object=None)
 
 
 def main(argv: list[str] | None = None) -> None:

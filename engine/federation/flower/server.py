@@ -179,6 +179,8 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     from engine.federation.flower.transfer import PromptHttpGrid
     from engine.federation.spec import build_method
 
+    # one log line per HTTP request (hundreds per round) would drown the log
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     keys = _security_inputs(cfg, insecure)
     app = build_app_bundle()
@@ -222,12 +224,13 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         TaskIdentity.run_id = run.run_id
         TaskIdentity.node_id = task_input.context.node_id
         grid = PromptHttpGrid(address, insecure, ca_pem, token=token)
-        grid.pull_timeout = cfg.round_timeout
+        grid.pull_timeout = min(cfg.round_timeout, 60.0)
+        grid.cancel = stop
         grid.set_run(run)
         settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,
-                                 cfg.poll_interval)
+                                 cfg.poll_interval, cfg.rejoin_wait)
         runner = FederationRunner(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
-                                  app.hash, cancel=stop)
+                                  app.hash, cancel=stop, address=cfg.address)
         result: dict[str, Any] = {}
         build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
         summary = write_results(cfg, method, result["state"], runner.history, session, app.hash)

@@ -49,6 +49,7 @@ class RoundSettings:
     start_timeout: float = 600.0
     round_attempts: int = 3
     poll_interval: float = 0.2
+    rejoin_wait: float = 0.0
 
 
 class SiteDirectory(Protocol):
@@ -103,13 +104,18 @@ class SelfNamedSites:
         return latest
 
 
+#: Seconds between checks, while waiting for answers, whether the sites' nodes are still connected.
+NODE_CHECK_INTERVAL = 1.0
+
+
 def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_interval: float,
              cancel: Callable[[], bool] | None = None,
              on_reply: Callable[[str, Message], None] | None = None) -> tuple[dict[str, Message], dict[str, str]]:
     """Send ``{key: message}`` and collect replies until all answered or ``timeout`` passed.
 
     ``on_reply(key, reply)`` is called as each reply arrives, so replies are processed while
-    slower sites are still training.
+    slower sites are still training. A site whose node disconnects while the coordinator waits
+    (its process stopped or died) is given up at once instead of at the timeout.
 
     Returns
     -------
@@ -128,7 +134,9 @@ def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_i
         else:
             missing[key] = "the coordinator could not queue its message"
     replies: dict[str, Message] = {}
+    node_of = {msg_id: messages[key].metadata.dst_node_id for msg_id, key in pending.items()}
     deadline = time.monotonic() + timeout
+    next_node_check = time.monotonic() + NODE_CHECK_INTERVAL
     while pending:
         for reply in grid.pull_messages(list(pending)):
             key = pending.pop(reply.metadata.reply_to_message_id, None)
@@ -142,6 +150,13 @@ def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_i
             raise CancelledError("the coordinator was stopped while waiting for sites")
         if time.monotonic() >= deadline:
             break
+        if time.monotonic() >= next_node_check:
+            next_node_check = time.monotonic() + NODE_CHECK_INTERVAL
+            online = {n.node_id for n in grid.get_nodes() if n.status == "online"}
+            for msg_id in [m for m in pending if node_of[m] not in online]:
+                missing[pending.pop(msg_id)] = "disconnected while the coordinator waited for its answer"
+            if not pending:
+                break
         time.sleep(poll_interval)
     for key in pending.values():
         missing[key] = f"no answer within {timeout:g} s"
@@ -184,11 +199,13 @@ class FederationRunner:
         The FAB hash of this run (recorded in checkpoints).
     cancel
         Returns ``True`` when the coordinator should stop.
+    address
+        Where sites connect (for ``connected`` events).
     """
 
     def __init__(self, method: FederatedMethod, spec: MethodSpec, settings: RoundSettings, directory: SiteDirectory,
                  events: EventWriter, checkpoint_path: Path, session: str, app_hash: str,
-                 cancel: Callable[[], bool] | None = None) -> None:
+                 cancel: Callable[[], bool] | None = None, address: str = "") -> None:
         self.method = method
         self.spec = spec
         self.spec_json = spec.to_json()
@@ -199,6 +216,7 @@ class FederationRunner:
         self.session = session
         self.app_hash = app_hash
         self.cancel = cancel
+        self.address = address
         self.history: list[dict[str, Any]] = []
         self._online: set[str] = set()
 
@@ -215,11 +233,25 @@ class FederationRunner:
         """Connected sites now; emits ``connected``/``disconnected`` for changes."""
         online = self.directory.online(grid)
         for site in sorted(set(online) - self._online):
-            self.events.emit("connected", site=site, coordinator="this coordinator", node=online[site])
+            self.events.emit("connected", site=site, coordinator=self.address, node=online[site])
         for site in sorted(self._online - set(online)):
             self.events.emit("disconnected", site=site, reason="the site's node went offline", reconnecting=True)
         self._online = set(online)
         return online
+
+    def wait_for_rejoin(self, grid: Grid) -> None:
+        """Before a round: give disconnected sites up to ``rejoin_wait`` seconds to come back."""
+        if self.settings.rejoin_wait <= 0:
+            return
+        deadline = time.monotonic() + self.settings.rejoin_wait
+        online = self.online_sites(grid)
+        if len(online) < len(self.sites):
+            missing = [s for s in self.sites if s not in online]
+            self.events.status(f"waiting up to {self.settings.rejoin_wait:g} s for {', '.join(missing)} to reconnect")
+        while len(online) < len(self.sites) and time.monotonic() < deadline:
+            self._check_cancel()
+            time.sleep(max(self.settings.poll_interval, 0.5))
+            online = self.online_sites(grid)
 
     def wait_for_sites(self, grid: Grid) -> dict[str, int]:
         """Wait until every site is connected, or ``start_timeout`` passed with at least ``min_sites``."""
@@ -314,6 +346,8 @@ class FederationRunner:
             self.events.status(f"resuming after round {resume.round} of {total}")
         else:
             state, first = self.method.initial_state(), 1
+        if first > total:
+            return state  # a finished run: nothing left to do
         self.wait_for_sites(grid)
         with CheckpointWriter(self.events) as writer:
             for rnd in range(first, total + 1):
@@ -328,6 +362,7 @@ class FederationRunner:
         result = None
         for attempt in range(1, self.settings.round_attempts + 1):
             self._check_cancel()
+            self.wait_for_rejoin(grid)
             result = self.run_round(grid, state, rnd)
             if len(result.updates) >= self.settings.min_sites:
                 break
@@ -355,8 +390,8 @@ class FederationRunner:
                          train_s=result.train_s)
         return state
 
-    def announce_finished(self, grid: Grid, timeout: float = 20.0) -> None:
-        """Tell connected sites that the run is over (they emit ``finished``)."""
+    def announce_finished(self, grid: Grid, timeout: float = 10.0) -> None:
+        """Tell connected sites that the run is over (they emit ``finished``); answers are optional."""
         from flwr.app import ConfigRecord, Message, RecordDict
 
         total = self.method.total_rounds
@@ -364,6 +399,8 @@ class FederationRunner:
         messages = {site: Message(RecordDict({records.INFO: ConfigRecord(
             {"action": "finished", "rounds": total, "session": self.session})}),
             dst_node_id=node, message_type=QUERY, ttl=timeout) for site, node in online.items()}
+        if hasattr(grid, "pull_timeout"):
+            grid.pull_timeout = timeout  # type: ignore[attr-defined]
         exchange(grid, messages, timeout, self.settings.poll_interval)
         self.events.emit("finished", rounds=total)
 

@@ -49,6 +49,8 @@ class SuperNodeSupervisor:
         self._connected = False
         self._last_error = ""
         self._thread: threading.Thread | None = None
+        self._sent = threading.Condition()
+        self.sent_count = 0
 
     def argv(self) -> list[str]:
         args = ["--superlink", self.cfg.coordinator, "--isolation", "process", "--host", "127.0.0.1",
@@ -62,7 +64,11 @@ class SuperNodeSupervisor:
 
     def _on_line(self, line: str) -> None:
         text = _ANSI.sub("", line)
-        if "SuperNode ID:" in text or "Connection successful after" in text:
+        if "Sent successfully" in text:
+            with self._sent:
+                self.sent_count += 1
+                self._sent.notify_all()
+        elif "SuperNode ID:" in text or "Connection successful after" in text:
             self._set_connected(True)
         elif "Connection attempt failed" in text:
             self._set_connected(False, "lost the connection to the coordinator; retrying")
@@ -82,8 +88,14 @@ class SuperNodeSupervisor:
         self._thread.start()
 
     def _start_child(self) -> None:
-        self.child = ChildProcess("SuperNode", self.argv(), self.log_path, on_line=self._on_line)
+        self.child = ChildProcess("SuperNode", self.argv(), self.log_path, on_line=self._on_line,
+                                  env={"FLWR_HOME": str(self.cfg.work_dir / "flower-home")})
         self.child.start()
+
+    def wait_forwarded(self, count: int, timeout: float = 10.0) -> bool:
+        """Wait until the SuperNode has forwarded more than ``count`` replies to the coordinator."""
+        with self._sent:
+            return self._sent.wait_for(lambda: self.sent_count > count, timeout)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Block until the SuperNode's Runtime API listens (not yet connected to the coordinator)."""
@@ -174,7 +186,7 @@ class TaskExecutor:
         context = None
         status, details = SubStatus.FAILED, "ClientApp task failed"
         try:
-            message, context, _run, fab = pull_task_input(client)
+            message, context, _run, fab = pull_task_input(client, cancel=self.worker.cancel)
             self.worker.after_reply = None
             try:
                 check_app_approved(fab.content, self.cfg.approved_apps, self.cfg.name)
@@ -209,6 +221,8 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     """
     from engine.federation.flower.client_app import SiteWorker, build_client_app
 
+    # one log line per HTTP request (hundreds per round) would drown the log
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     check_site_files(cfg, secure=not insecure)
     parse_address(cfg.coordinator, str(cfg.path))
     if not cfg.approved_apps:
@@ -236,6 +250,7 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
                 if token is None:
                     time.sleep(cfg.poll_interval)
                     continue
+                forwarded = supervisor.sent_count
                 try:
                     executor.run_task(token)
                 except (CancelledError, KeyboardInterrupt):
@@ -244,6 +259,8 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
                     log.exception("task failed")
                     events.error(f"a task could not be completed: {type(exc).__name__}: {exc}")
                 if once and worker.finished:
+                    # the SuperNode still has to pass the last answer on before it is stopped
+                    supervisor.wait_forwarded(forwarded)
                     break
         finally:
             client.close()

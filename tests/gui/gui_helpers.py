@@ -1,11 +1,16 @@
-"""Synchronous stand-ins for the Qt runners, so controllers are tested without Qt."""
+"""GUI test helpers: synchronous stand-ins for the Qt runners (controllers tested without Qt), shared constants."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from testsupport import SHARED_DATA  # noqa: F401 (re-exported for GUI tests)
+
 from engine.errors import CancelledError
+
+#: Demo settings small enough for tests: one 32-pixel round (a few seconds on one core).
+TINY_DEMO = {"image_size": 32, "rounds": 1, "epochs": 1, "study_size": 64}
 
 
 class SyncHandle:

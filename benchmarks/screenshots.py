@@ -1,0 +1,132 @@
+"""Write the README's screenshots of the desktop app to ``docs/img/`` (offscreen).
+
+- ``main_window.png``: the embedded demo (``fedsm-gui --demo``): a synthetic fundus photo with
+  the super model's mask, the ground truth as outlines, the routing strip and the cup-to-disc ratio.
+- ``volume_view.png``: a synthetic prostate MR volume in three orthogonal views with the model's
+  mask and the per-slice routing strip.
+- ``federation_panel.png``: the federation panel mid-run (simulated demo site, in round 3 of 4).
+
+Usage::
+
+    python benchmarks/screenshots.py [--cache-dir DIR] [--out docs/img]
+
+The demo super model and a small prostate super model are trained on first use (a few minutes
+on a laptop CPU) and cached in ``--cache-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _wait(condition, timeout_s: float, what: str) -> None:
+    from gui_latency import run_until
+
+    if not run_until(condition, timeout_s):
+        raise RuntimeError(f"timed out waiting for {what}")
+
+
+def demo_shot(app, cache_dir: Path, out: Path) -> None:
+    ready: list[bool] = []
+    app.demo.start(cache_dir / "demo", on_ready=lambda: ready.append(True))
+    _wait(lambda: bool(ready) or app.window.banner.isVisible(), 1800, "the demo")
+    if not ready:
+        raise RuntimeError(app.window.banner.label.text())
+    app.window.tabs.setCurrentIndex(0)
+    _grab(app, out / "main_window.png")
+
+
+def volume_shot(app, cache_dir: Path, out: Path) -> None:
+    from gui_latency import synthetic_volume
+
+    import engine.api
+    from engine.io.study import LabelMap, Study
+
+    bundle = cache_dir / "prostate-screenshot" / "supermodel.safetensors"
+    if not bundle.exists():
+        print("training a small prostate super model for the screenshot (cached) ...", flush=True)
+        engine.api.simulate(bundle.parent, task="prostate", sites=3, rounds=2, image_size=64, epochs=3,
+                            methods=["fedsm"], data_dir=str(cache_dir / "prostate-data-64"))
+    volume, label = synthetic_volume(256, 24)
+    spacing = (0.5, 0.5, 3.0)
+    study = Study(volume, "volume", np.diag([*spacing, 1.0]), spacing, modality="MR",
+                  source=Path("synthetic_prostate_t2.nii.gz"), source_format="nifti")
+    app.studies.show_study(study)
+    app.overlays.set_layer("reference", LabelMap(label, {1: "prostate"}), title="reference: ground truth")
+    app.segmentation.load_bundle(bundle)
+    _wait(lambda: app.segmentation_state.metadata is not None, 300, "the prostate bundle")
+    app.segmentation.run()
+    _wait(lambda: app.segmentation_state.status != "running", 300, "the segmentation")
+    app.viewer_state.set_cursor((128, 150, 12))
+    app.window.tabs.setCurrentIndex(0)
+    _grab(app, out / "volume_view.png")
+
+
+def federation_shot(app, cache_dir: Path, out: Path) -> None:
+    app.federation.demo_workdir = cache_dir / "site"
+    app.federation.demo_rounds = 3
+    app.window.tabs.setCurrentIndex(1)
+    app.federation.join()
+    state = app.federation_state
+    _wait(lambda: (2 in state.metrics and state.batch >= 1) or state.status in ("finished", "failed"), 900,
+          "round 2 of the demo site")
+    _wait(lambda: (state.round >= 3 and state.batch >= 1) or state.status in ("finished", "failed"), 900,
+          "the demo site mid-run")
+    _grab(app, out / "federation_panel.png")
+    app.federation.leave()
+    _wait(lambda: not app.process.running, 60, "the site process to stop")
+
+
+def _grab(app, path: Path) -> None:
+    from PySide6.QtWidgets import QApplication
+
+    for _ in range(5):
+        QApplication.processEvents()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not app.window.grab().save(str(path)):
+        raise RuntimeError(f"cannot write {path}")
+    print(f"wrote {path}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "fedsm-screenshots")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
+    parser.add_argument("--only", choices=("demo", "volume", "federation"), action="append",
+                        help="write only these screenshots (repeatable)")
+    args = parser.parse_args(argv)
+    os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    from PySide6.QtWidgets import QApplication
+
+    from fedsm_gui.app import FedSMApp
+
+    qt_app = QApplication.instance() or QApplication([])
+    shots = {"demo": demo_shot, "volume": volume_shot, "federation": federation_shot}
+    for name, shot in shots.items():
+        if args.only and name not in args.only:
+            continue
+        app = FedSMApp(None, demo_workdir=args.cache_dir / "site")
+        app.window.resize(1440, 900)
+        app.window.show()
+        qt_app.processEvents()
+        try:
+            shot(app, args.cache_dir, args.out)
+        finally:
+            app.shutdown()
+            app.window.close()
+            app.window.deleteLater()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""One benchmark job: train one method (or analysis variant) with one seed and evaluate it.
+
+Jobs reuse :class:`engine.simulate.Simulation` (the code behind ``fedsm simulate``), so the
+benchmark measures exactly what users run: same methods, same in-process transport, same
+evaluation. The sites are loaded once per task and handed to every job; data is generated once
+with the preset's ``data_seed`` and the job's seed varies initialisation and batch order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.bench.cache import JobKey
+from engine.bench.presets import BenchPreset, TaskPreset
+from engine.simulate import Simulation, SimulationConfig
+from engine.tasks import get_task
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[dict[str, Any]], None]
+
+#: Analyses, in the order the runner does them.
+ANALYSES = ("main", "lam", "unseen", "personalization")
+
+
+def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
+                    progress: ProgressFn | None = None) -> list[Any]:
+    """Reuse or generate the task's synthetic federation under ``OUT/data/<task>`` and load it."""
+    from engine.data.site_data import load_site
+    from engine.data.synth import existing_federation, generate_federation
+
+    data_dir = Path(out_dir) / "data" / tp.task
+    paths = existing_federation(data_dir, tp.task, tp.sites, tp.image_size, preset.data_seed, slices=tp.slices)
+    if paths is None:
+        if progress:
+            progress({"event": "status", "message": f"generating synthetic {tp.task} data ({tp.sites} sites, "
+                                                    f"{tp.image_size} px) in {data_dir}"})
+        paths = generate_federation(tp.task, tp.sites, data_dir, image_size=tp.image_size, seed=preset.data_seed,
+                                    slices=tp.slices)
+    task = get_task(tp.task)
+    return [load_site(p, task, tp.image_size) for p in paths]
+
+
+def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str) -> dict[str, Any]:
+    """The settings that determine a job's result (a cached result must match them)."""
+    settings: dict[str, Any] = {
+        "task": asdict(tp), "data_seed": preset.data_seed, "device": device,
+        "training": {"epochs": preset.epochs, "batch_size": preset.batch_size, "lr": preset.lr,
+                     "selector_lr": preset.selector_lr, "selector_size": preset.selector_size,
+                     "gamma": preset.gamma, "prox_mu": preset.prox_mu},
+    }
+    if key.method.startswith("fedsm") or key.analysis != "main":
+        settings["gammas"] = list(preset.gammas)
+    if key.analysis == "unseen":
+        settings["unseen_site"] = preset.unseen_site
+    if key.analysis == "personalization":
+        from engine.fl.personalization import PersonalizationConfig
+
+        settings["personalization"] = asdict(PersonalizationConfig())
+    return settings
+
+
+def effective_lam(lam: float, sites: int) -> float:
+    """``lam`` raised to ``1/K`` where it is smaller (SoftPull needs ``lam >= 1/K``)."""
+    return max(float(lam), 1.0 / sites)
+
+
+class BenchSimulation(Simulation):
+    """A :class:`Simulation` over given sites that also knows FedSM's personalization variants."""
+
+    def __init__(self, cfg: SimulationConfig, out_dir: Path, sites: list[Any], progress: ProgressFn | None = None,
+                 cancel: Callable[[], bool] | None = None) -> None:
+        super().__init__(cfg, out_dir, progress, cancel)
+        self.sites = list(sites)
+
+    def _build_method(self, name: str) -> Any:
+        from engine.fl.methods import FedSMPersonalized
+        from engine.fl.personalization import PERSONALIZATIONS
+
+        kind = name.removeprefix("fedsm-")
+        if kind in PERSONALIZATIONS:
+            return FedSMPersonalized(self.task, [s.name for s in self.sites], self.cfg.training(), self.cfg.seed,
+                                     self.cfg.rounds, personalization=kind, gamma=self.cfg.gamma)
+        return super()._build_method(name)
+
+
+@dataclass
+class JobContext:
+    """What every job of one task needs."""
+
+    preset: BenchPreset
+    tp: TaskPreset
+    sites: list[Any]
+    out_dir: Path
+    device: str = "auto"
+    progress: ProgressFn | None = None
+    cancel: Callable[[], bool] | None = None
+
+    def config(self, seed: int, sites: int, lam: float | None = None) -> SimulationConfig:
+        p, tp = self.preset, self.tp
+        return SimulationConfig(
+            task=tp.task, sites=sites, rounds=tp.rounds, methods=("fedsm",), image_size=tp.image_size, seed=seed,
+            lam=effective_lam(tp.lam if lam is None else lam, sites), gamma=p.gamma, epochs=p.epochs,
+            batch_size=p.batch_size, lr=p.lr, selector_lr=p.selector_lr, selector_size=p.selector_size,
+            prox_mu=p.prox_mu, device=self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-round curves (the paper's Figure 2)
+# --------------------------------------------------------------------------------------------
+class CurveRecorder:
+    """Round hook: validation Dice of the global model (and personalized ones) after each round."""
+
+    def __init__(self, task: Any, sites: list[Any], device: str, enabled: bool = True) -> None:
+        self.task, self.sites, self.device, self.enabled = task, sites, device, enabled
+        self.points: list[dict[str, Any]] = []
+        self.last_state: dict[str, Any] = {}
+
+    def _client_average(self, weights_for: Callable[[int], Any]) -> float:
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        values = []
+        for k, site in enumerate(self.sites):
+            val = site.validation
+            if not len(val.images):
+                continue
+            masks = segment_with(self.task, weights_for(k), val.images, self.device)
+            values.append(float(dice_per_case(masks, val.masks, val.case_ids).mean()))
+        return float(np.mean(values)) if values else float("nan")
+
+    def __call__(self, method: Any, rnd: int, state: dict[str, Any], runtimes: list[Any]) -> None:
+        self.last_state = state
+        if not self.enabled or rnd > method.rounds:  # selector and calibration rounds leave the U-Nets unchanged
+            return
+        point: dict[str, Any] = {"round": rnd}
+        if "global" in state:
+            point["global"] = self._client_average(lambda k: state["global"])
+        names = [s.name for s in self.sites]
+        if (all(f"personal/{n}" in state for n in names) and method.name in ("fedsm", "fedsm-extra")
+                and getattr(method, "personalization", None) is None):
+            point["personal"] = self._client_average(lambda k: state[f"personal/{names[k]}"])
+        if method.name == "local":
+            models = [rt.state["local_model"] for rt in runtimes]
+            point["personal"] = self._client_average(lambda k: models[k])
+        self.points.append(point)
+
+
+# --------------------------------------------------------------------------------------------
+# Jobs
+# --------------------------------------------------------------------------------------------
+def _method_result(result: Any) -> dict[str, Any]:
+    extra = {k: v for k, v in result.extra.items() if k != "bundle"}
+    return {"dice": result.dice, "client_average": result.client_average, "pooled": result.pooled,
+            "wall_s": result.wall_s, "rounds": result.rounds, "bytes_per_round": result.bytes_per_round,
+            "extra": extra}
+
+
+def _train(ctx: JobContext, sites: list[Any], method: str, seed: int, lam: float | None = None,
+           curves: bool = True) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Train and evaluate ``method``; return its result, its super model (FedSM) and final state."""
+    sim = BenchSimulation(ctx.config(seed, len(sites), lam), ctx.out_dir, sites, ctx.progress, ctx.cancel)
+    recorder = CurveRecorder(sim.task, sites, ctx.device, enabled=curves)
+    sim.round_hook = recorder
+    start = time.perf_counter()
+    result = sim.run_method(method)
+    out = _method_result(result)
+    out["wall_s"] = time.perf_counter() - start
+    if curves:
+        out["curves"] = recorder.points
+    return out, result.extra.get("bundle"), recorder.last_state
+
+
+def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
+    """Run one job and return its JSON-ready result."""
+    from engine.bench.routing_analysis import gamma_sweep
+
+    task = get_task(ctx.tp.task)
+    names = [s.name for s in ctx.sites]
+    if key.analysis == "main":
+        out, bundle, _ = _train(ctx, ctx.sites, key.method, key.seed)
+        if key.method == "fedsm" and bundle is not None:
+            out["gamma_sweep"] = gamma_sweep(task, bundle, [(s.name, s.test) for s in ctx.sites], ctx.preset.gammas,
+                                             ctx.device, own_model={n: i + 1 for i, n in enumerate(names)})
+        return out
+    if key.analysis == "lam":
+        lam = float(key.method.removeprefix("lam"))
+        out, _, _ = _train(ctx, ctx.sites, "fedsm", key.seed, lam=lam, curves=False)
+        out["lam"] = lam
+        out["lam_used"] = effective_lam(lam, len(ctx.sites))
+        return out
+    if key.analysis == "unseen":
+        held = ctx.preset.unseen_site - 1
+        if not 0 <= held < len(ctx.sites):
+            from engine.errors import ConfigError
+
+            raise ConfigError(f"unseen_site={ctx.preset.unseen_site} is not one of the {len(ctx.sites)} sites")
+        train_sites = [s for i, s in enumerate(ctx.sites) if i != held]
+        unseen = ctx.sites[held]
+        out, bundle, state = _train(ctx, train_sites, key.method, key.seed, curves=False)
+        out["unseen_site"] = unseen.name
+        if key.method == "fedsm" and bundle is not None:
+            own = {s.name: i + 1 for i, s in enumerate(train_sites)}
+            out["unseen"] = gamma_sweep(task, bundle, [(unseen.name, unseen.test)], ctx.preset.gammas, ctx.device)
+            out["participating"] = gamma_sweep(task, bundle, [(s.name, s.test) for s in train_sites],
+                                               ctx.preset.gammas, ctx.device, own_model=own)
+        else:
+            from engine.fl.evaluation import dice_per_case, segment_with
+
+            masks = segment_with(task, state["global"], unseen.test.images, ctx.device)
+            out["unseen_dice"] = float(dice_per_case(masks, unseen.test.masks, unseen.test.case_ids).mean())
+        return out
+    if key.analysis == "personalization":
+        out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False)
+        return out
+    from engine.errors import ConfigError
+
+    raise ConfigError(f"unknown benchmark analysis {key.analysis!r}; choose from {', '.join(ANALYSES)}")

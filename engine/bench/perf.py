@@ -1,0 +1,429 @@
+"""Speed, traffic and memory of FedSM, each as a ratio measured in one run.
+
+1. **Site-step throughput**: images per second of the engine's FedSM site round
+   (:func:`engine.fl.local_training.train_fedsm_round`) against a minimal hand-written loop that
+   trains the same three networks on the same batches with the same losses and optimizers
+   (target >= 0.95). The two alternate, and the median of the repeats counts, so load changes on
+   a shared machine hit both alike.
+2. **Routed inference**: :class:`~engine.inference.predictor.SuperModelPredictor` (selector, then
+   each image through one U-Net) against running the selector and all K+1 U-Nets on every image.
+3. **Traffic**: raw tensor bytes per site per round, taken from the methods' real payloads:
+   FedSM against FedAvg, and the pooled selector head against VGG-11's classic 25088-4096-4096
+   head (with the parameter count of the classic head, not an allocation of it).
+4. **Peak memory** of one site during one round, in a fresh subprocess each: the peak resident
+   set during the round (the kernel's high-water mark, reset just before the round) and its
+   increase over the resident set before the round, plus peak Python-heap allocations during the
+   round (``tracemalloc``; numpy arrays are traced, torch tensors are not), for FedSM, FedAvg and
+   a baseline that trains nothing.
+5. **CUDA with mixed precision**: the throughput ratio and peak GPU memory, only when a GPU is
+   present; otherwise reported as "not measured: no GPU".
+
+Run alone with ``python -m engine.bench.perf [--size 64] [--device auto]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PERF_VERSION = 2
+PERF_SITES = 6
+PERF_BATCHES = 6
+PERF_REPEATS = 3
+PERF_INFERENCE_IMAGES = 32
+
+
+def perf_settings(preset: Any, device: str) -> dict[str, Any]:
+    """Settings the perf figures depend on (a cached perf result must match them)."""
+    settings = {"version": PERF_VERSION, "image_size": preset.perf_image_size, "batch_size": preset.batch_size,
+                "selector_size": preset.selector_size, "sites": PERF_SITES, "batches": preset.perf_batches,
+                "repeats": preset.perf_repeats, "device": device}
+    if not preset.perf_memory:
+        settings["memory"] = False
+    return settings
+
+
+def _random_split(n: int, channels: int, labels: int, size: int, seed: int = 0) -> Any:
+    from engine.data.site_data import SplitArrays
+
+    rng = np.random.default_rng(seed)
+    return SplitArrays(rng.random((n, channels, size, size), dtype=np.float32),
+                       (rng.random((n, labels, size, size)) > 0.6).astype(np.float32), np.arange(n))
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. throughput
+# --------------------------------------------------------------------------------------------
+def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str, Any], site_index: int,
+                             num_sites: int, data: Any, batch_size: int, selector_size: int, lr: float,
+                             selector_lr: float, device: Any, amp: bool) -> list[dict[str, Any]]:
+    """The same work as a FedSM site round, written as the shortest plain PyTorch loop.
+
+    Two U-Nets and the selector, each with Adam, one step each per batch (Dice loss for the
+    U-Nets, cross entropy with the site's label for the selector on downscaled images); weights
+    loaded at the start and copied back to the CPU at the end, like any real round must. It
+    leaves out what the engine adds: seeded batch order, progress events, cancel checks, and
+    the selector's BatchNorm running on tracked federation statistics (here: plain train mode).
+    """
+    import torch
+    import torch.nn.functional as F
+    from monai.losses import DiceLoss
+
+    from engine.models import build_segmentation_net, build_selector
+
+    nets = [build_segmentation_net(task.in_channels, task.out_channels) for _ in range(2)]
+    for net in nets:
+        net.load_state_dict(unet)
+    sel = build_selector(task.in_channels, num_sites)
+    sel.load_state_dict(selector)
+    models = [m.to(device).train() for m in [*nets, sel]]
+    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m in models[:2]]
+    opts.append(torch.optim.Adam(sel.parameters(), lr=selector_lr))
+    dice = DiceLoss(sigmoid=True, batch=True)
+    small = F.interpolate(torch.from_numpy(data.images), size=(selector_size, selector_size), mode="bilinear",
+                          align_corners=False, antialias=True)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+    perm = torch.randperm(len(data.images))
+    for start in range(0, len(perm), batch_size):
+        idx = perm[start:start + batch_size]
+        x = torch.from_numpy(data.images[idx.numpy()]).to(device)
+        y = torch.from_numpy(data.masks[idx.numpy()]).to(device)
+        xs = small[idx].to(device)
+        label = torch.full((len(idx),), site_index, dtype=torch.long, device=device)
+        for m, opt in zip(models, opts, strict=True):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", enabled=amp):
+                loss = F.cross_entropy(m(xs), label) if m is sel else dice(m(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+    return [{k: v.detach().cpu().clone() for k, v in m.state_dict().items()} for m in models]
+
+
+def measure_throughput(size: int, batch_size: int, selector_size: int, device_name: str = "cpu",
+                       batches: int = PERF_BATCHES, repeats: int = PERF_REPEATS) -> dict[str, Any]:
+    """Images/s of the engine's FedSM site round and of the hand-written loop; their ratio."""
+    from engine.fl.local_training import Device, LocalTrainingConfig, RoundContext, train_fedsm_round
+    from engine.fl.weights import model_weights
+    from engine.models import build_segmentation_net, build_selector
+    from engine.tasks import FUNDUS
+
+    dev = Device.resolve(device_name)
+    cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device=device_name)
+    data = _random_split(batch_size * batches, 3, 2, size)
+    unet = model_weights(build_segmentation_net(3, 2))
+    selector = model_weights(build_selector(3, PERF_SITES))
+    ctx = RoundContext("perf", 1, "site1")
+
+    def engine_round(r: int) -> None:
+        train_fedsm_round(FUNDUS, unet, unet, selector, 0, PERF_SITES, data, cfg, r, ctx)
+
+    def hand_round(r: int) -> None:
+        hand_written_fedsm_round(FUNDUS, unet, selector, 0, PERF_SITES, data, batch_size, selector_size, cfg.lr,
+                                 cfg.selector_lr, dev.torch_device, dev.amp)
+
+    engine_round(0)  # warm-up of both paths (allocator, MONAI imports, cuDNN autotuning)
+    hand_round(0)
+    engine_s, hand_s = [], []
+    for r in range(repeats):
+        for fn, times in ((engine_round, engine_s), (hand_round, hand_s)) if r % 2 == 0 else \
+                ((hand_round, hand_s), (engine_round, engine_s)):
+            _sync(dev.torch_device)
+            t0 = time.perf_counter()
+            fn(r + 1)
+            _sync(dev.torch_device)
+            times.append(time.perf_counter() - t0)
+    n = len(data.images)
+    eng, hand = n / float(np.median(engine_s)), n / float(np.median(hand_s))
+    return {"image_size": size, "batch_size": batch_size, "images": n, "device": str(dev.torch_device),
+            "mixed_precision": dev.amp, "engine_images_per_s": eng, "hand_images_per_s": hand,
+            "ratio": eng / hand, "engine_s": engine_s, "hand_s": hand_s}
+
+
+# --------------------------------------------------------------------------------------------
+# 2. routed inference
+# --------------------------------------------------------------------------------------------
+def _random_bundle(size: int, selector_size: int) -> Any:
+    import torch
+
+    from engine.bundle import BundleMetadata, SuperModelBundle
+    from engine.fl.weights import model_weights
+    from engine.models import build_segmentation_net, build_selector
+
+    torch.manual_seed(0)
+    names = [f"site{k + 1}" for k in range(PERF_SITES)]
+    meta = BundleMetadata(task="fundus", label_names=["disc", "cup"], in_channels=3, image_size=size,
+                          selector_size=selector_size, site_names=names, normalisation="rgb/255", gamma=0.5)
+    return SuperModelBundle(meta, model_weights(build_segmentation_net(3, 2)),
+                            {n: model_weights(build_segmentation_net(3, 2)) for n in names},
+                            model_weights(build_selector(3, PERF_SITES)))
+
+
+def measure_routed_inference(size: int, selector_size: int, device_name: str = "cpu",
+                             images: int = PERF_INFERENCE_IMAGES,
+                             repeats: int = PERF_REPEATS) -> dict[str, Any]:
+    """Seconds per image of routed inference and of running all K+1 U-Nets plus the selector."""
+    from engine.fl.evaluation import segment_with, selector_probabilities
+    from engine.inference.predictor import SuperModelPredictor
+    from engine.tasks import FUNDUS
+
+    bundle = _random_bundle(size, selector_size)
+    predictor = SuperModelPredictor(bundle, device_name)
+    x = _random_split(images, 3, 2, size, seed=1).images
+    weights = [bundle.global_weights, *bundle.personal_weights.values()]
+
+    def routed() -> None:
+        predictor.predict(x)
+
+    def all_models() -> None:
+        selector_probabilities(FUNDUS, bundle.selector_weights, PERF_SITES, x, selector_size, device=device_name)
+        for w in weights:
+            segment_with(FUNDUS, w, x, device_name)
+
+    routed()
+    all_models()
+    routed_s, all_s = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        routed()
+        routed_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        all_models()
+        all_s.append(time.perf_counter() - t0)
+    r, a = float(np.median(routed_s)), float(np.median(all_s))
+    return {"images": images, "image_size": size, "models": PERF_SITES + 1, "routed_s_per_image": r / images,
+            "all_models_s_per_image": a / images, "ratio": r / a,
+            "note": "all_models builds each U-Net per call (as segment_with does); the routed predictor "
+                    "holds its networks, so the ratio slightly favours routing by construction cost"}
+
+
+# --------------------------------------------------------------------------------------------
+# 3. traffic
+# --------------------------------------------------------------------------------------------
+def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
+    """Bytes per site per round from the methods' real payloads (fundus U-Net, pooled selector head)."""
+    from engine.federation.inprocess import weightset_bytes
+    from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.methods import FedAvg, FedSM, FedSMExtra
+    from engine.models.selector import head_parameter_count
+    from engine.tasks import FUNDUS
+
+    names = [f"site{k + 1}" for k in range(sites)]
+    cfg = LocalTrainingConfig(device="cpu")
+    fedavg = FedAvg(FUNDUS, names, cfg, 0, 1)
+    fedsm = FedSM(FUNDUS, names, cfg, 0, 1, lam=0.7)
+    extra = FedSMExtra(FUNDUS, names, cfg, 0, 1, lam=0.7, extra_rounds=1)
+    avg_down = weightset_bytes(fedavg.site_instructions(fedavg.initial_state(), 1, names[0]).weights)
+    state = fedsm.initial_state()
+    sm_down = weightset_bytes(fedsm.site_instructions(state, 1, names[0]).weights)
+    # the update carries the same three networks back (shapes checked by validate_update)
+    sm_up = weightset_bytes(fedsm.expected_update_shapes(state, names[0]))
+    head_delta = 4 * (head_parameter_count("classic", sites) - head_parameter_count("gap", sites))
+    classic = sm_down + head_delta
+    extra_state = extra.initial_state()
+    extra_sel_down = weightset_bytes(extra.site_instructions(extra_state, 2, names[0]).weights)
+    return {
+        "sites": sites,
+        "fedavg_bytes_each_way": avg_down,
+        "fedsm_bytes_each_way": sm_down,
+        "fedsm_bytes_up": sm_up,
+        "fedsm_over_fedavg": sm_down / avg_down,
+        "fedsm_classic_head_bytes_each_way": classic,
+        "gap_over_classic": sm_down / classic,
+        "selector_gap_bytes": weightset_bytes({"s": state["selector"]}),
+        "selector_classic_bytes": weightset_bytes({"s": state["selector"]}) + head_delta,
+        "fedsm_extra_selector_round_bytes_down": extra_sel_down,
+        "note": "raw float32 tensor bytes, no framing or compression; the same numbers every run",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# 4. peak memory (each measurement in its own process)
+# --------------------------------------------------------------------------------------------
+def _memory_child(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
+    import resource
+    import tracemalloc
+
+    import torch
+
+    torch.set_num_threads(1)
+    tracemalloc.start()
+    from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
+    from engine.fl.weights import model_weights
+    from engine.models import build_segmentation_net, build_selector
+    from engine.tasks import FUNDUS
+
+    cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cpu")
+    data = _random_split(images, 3, 2, size)
+    unet = model_weights(build_segmentation_net(3, 2))
+    selector = model_weights(build_selector(3, PERF_SITES))
+    ctx = RoundContext("perf", 1, "site1")
+    # Import up front what a round imports lazily (MONAI's losses, the optimizers' compile
+    # machinery, device probing), so the round's figure is the round's memory, not imports'.
+    from monai.losses import DiceLoss
+
+    from engine.fl.local_training import Device
+
+    DiceLoss(sigmoid=True)
+    Device.resolve("cpu")
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
+    # Imports alone peak above a small round, so the process-lifetime peak says little: reset
+    # the kernel's high-water mark (Linux, /proc/self/clear_refs "5") and read it after the round.
+    before_mib = _proc_status_mib("VmRSS")
+    reset = _reset_peak_rss()
+    tracemalloc.reset_peak()
+    traced_before = tracemalloc.get_traced_memory()[0]
+    if kind == "fedsm":
+        train_fedsm_round(FUNDUS, unet, unet, selector, 0, PERF_SITES, data, cfg, 1, ctx)
+    elif kind == "fedavg":
+        train_segmentation_round(FUNDUS, unet, data, cfg, 1, ctx)
+    _, peak = tracemalloc.get_traced_memory()
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    round_peak = _proc_status_mib("VmHWM") if reset else None
+    return {"kind": kind, "process_peak_rss_mib": rss_kib / 1024, "rss_before_round_mib": before_mib,
+            "round_peak_rss_mib": round_peak,
+            "round_rss_increase_mib": None if round_peak is None or before_mib is None else round_peak - before_mib,
+            "round_tracemalloc_increase_mib": (peak - traced_before) / 2**20}
+
+
+def _proc_status_mib(field: str) -> float | None:
+    """A ``kB`` field of ``/proc/self/status`` in MiB (``None`` off Linux)."""
+    try:
+        for line in open("/proc/self/status", encoding="ascii"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_memory(size: int, batch_size: int, selector_size: int, images: int = 48) -> dict[str, Any]:
+    """Peak memory of one site round of FedSM and of FedAvg, and of a baseline, in subprocesses."""
+    out: dict[str, Any] = {"image_size": size, "batch_size": batch_size, "images": images}
+    for kind in ("baseline", "fedavg", "fedsm"):
+        cmd = [sys.executable, "-m", "engine.bench.perf", "--memory-child", kind, "--size", str(size),
+               "--batch-size", str(batch_size), "--selector-size", str(selector_size), "--images", str(images)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
+        if done.returncode != 0:
+            out[kind] = {"error": done.stderr.strip().splitlines()[-1:] or ["no output"]}
+            continue
+        out[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        out["fedsm_over_fedavg_round_peak_rss"] = (out["fedsm"]["round_peak_rss_mib"]
+                                                   / out["fedavg"]["round_peak_rss_mib"])
+        out["fedsm_over_fedavg_round_increase"] = (out["fedsm"]["round_rss_increase_mib"]
+                                                   / out["fedavg"]["round_rss_increase_mib"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        pass
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 5. CUDA
+# --------------------------------------------------------------------------------------------
+def measure_cuda(size: int, batch_size: int, selector_size: int) -> dict[str, Any]:
+    """Throughput ratio and peak GPU memory with mixed precision, or why it was not measured."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"measured": False, "reason": "not measured: no GPU"}
+    from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
+    from engine.fl.weights import model_weights
+    from engine.models import build_segmentation_net, build_selector
+    from engine.tasks import FUNDUS
+
+    out: dict[str, Any] = {"measured": True, "gpu": torch.cuda.get_device_name(0)}
+    out["throughput"] = measure_throughput(size, batch_size, selector_size, "cuda")
+    cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cuda")
+    data = _random_split(batch_size * PERF_BATCHES, 3, 2, size)
+    unet = model_weights(build_segmentation_net(3, 2))
+    selector = model_weights(build_selector(3, PERF_SITES))
+    ctx = RoundContext("perf", 1, "site1")
+    for kind in ("fedavg", "fedsm"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        if kind == "fedsm":
+            train_fedsm_round(FUNDUS, unet, unet, selector, 0, PERF_SITES, data, cfg, 1, ctx)
+        else:
+            train_segmentation_round(FUNDUS, unet, data, cfg, 1, ctx)
+        torch.cuda.synchronize()
+        out[kind] = {"round_s": time.perf_counter() - t0,
+                     "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20}
+    out["fedsm_over_fedavg_gpu_memory"] = out["fedsm"]["peak_gpu_mib"] / out["fedavg"]["peak_gpu_mib"]
+    return out
+
+
+def measure_all(preset: Any, device: str = "auto") -> dict[str, Any]:
+    """Every figure above for a preset's ``perf_image_size`` and batch size."""
+    size, bs, sel = preset.perf_image_size, preset.batch_size, preset.selector_size
+    batches, repeats = preset.perf_batches, preset.perf_repeats
+    return {
+        "throughput_cpu": measure_throughput(size, bs, sel, "cpu", batches, repeats),
+        "routed_inference_cpu": measure_routed_inference(size, sel, "cpu", bs * batches, repeats),
+        "traffic": measure_traffic(),
+        "memory_cpu": measure_memory(size, bs, sel, bs * batches) if getattr(preset, "perf_memory", True) else
+        {"measured": False, "reason": "not measured: the preset skips it (one fresh process per figure)"},
+        "cuda": measure_cuda(size, bs, sel) if device != "cpu" else
+        {"measured": False, "reason": "not measured: --device cpu"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine.bench.perf``: print the figures as JSON (or run one memory child)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--selector-size", type=int, default=32)
+    parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--memory-child", choices=["baseline", "fedavg", "fedsm"], default=None,
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(_memory_child(args.memory_child, args.size, args.batch_size, args.selector_size,
+                                       args.images)))
+        return 0
+    import torch
+
+    torch.set_num_threads(1)
+
+    class _Preset:
+        perf_image_size, batch_size, selector_size = args.size, args.batch_size, args.selector_size
+        perf_batches, perf_repeats = PERF_BATCHES, PERF_REPEATS
+
+    print(json.dumps(measure_all(_Preset(), args.device), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Benchmark presets: which tasks, methods, seeds, rounds and analyses a ``fedsm bench`` run covers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from engine.errors import ConfigError
+
+#: Methods of the main comparison (the paper's Table 3), in table order.
+MAIN_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra")
+
+
+@dataclass(frozen=True)
+class TaskPreset:
+    """Data and training scale of one task inside a preset.
+
+    Attributes
+    ----------
+    task
+        ``"fundus"`` or ``"prostate"``.
+    sites
+        Number of synthetic sites (the paper has 6 per task, of unequal sizes).
+    image_size
+        Image side in pixels (multiple of 16).
+    rounds
+        Federated training rounds (FedSM adds a calibration round, FedSM-extra its selector rounds).
+    slices
+        Axial slices per synthetic prostate volume (ignored for fundus).
+    lam
+        SoftPull lam of the main FedSM runs (the paper's best per task).
+    """
+
+    task: str
+    sites: int = 6
+    image_size: int = 64
+    rounds: int = 5
+    slices: int = 12
+    lam: float = 0.7
+
+
+@dataclass(frozen=True)
+class BenchPreset:
+    """Everything a benchmark run covers; recorded beside every result.
+
+    Attributes
+    ----------
+    seeds
+        Training seeds of the main comparison (data is generated once with ``data_seed``).
+    lam_values
+        SoftPull lam sweep (paper Table 7); values below ``1/K`` are replaced by ``1/K``.
+    gammas
+        Routing thresholds evaluated on participating and unseen sites (paper Tables 5, 12).
+    unseen_site
+        1-based index of the site left out of training for the unseen-site analysis.
+    personalizations
+        Alternatives to SoftPull trained inside FedSM (paper Table 6).
+    analysis_seeds
+        Seeds of the lam sweep, unseen-site and personalization runs.
+    perf
+        Whether to measure speed, traffic and memory (:mod:`engine.bench.perf`).
+    """
+
+    name: str
+    tasks: tuple[TaskPreset, ...]
+    methods: tuple[str, ...] = MAIN_METHODS
+    seeds: tuple[int, ...] = (0, 1, 2)
+    data_seed: int = 0
+    epochs: int = 1
+    batch_size: int = 8
+    lr: float = 1e-3
+    selector_lr: float = 1e-5
+    selector_size: int = 32
+    gamma: float = 0.6
+    prox_mu: float = 0.01
+    lam_values: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    gammas: tuple[float, ...] = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+    unseen_site: int = 6
+    personalizations: tuple[str, ...] = ("finetune", "apfl", "perfedavg", "pfedme")
+    analysis_seeds: tuple[int, ...] = (0,)
+    perf: bool = True
+    perf_image_size: int = 64
+    perf_batches: int = 6
+    perf_repeats: int = 3
+    perf_memory: bool = True
+    description: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def task(self, name: str) -> TaskPreset:
+        """The :class:`TaskPreset` of task ``name``."""
+        for t in self.tasks:
+            if t.task == name:
+                return t
+        raise ConfigError(f"preset {self.name} has no task {name!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (recorded in every cached result and in the report)."""
+        d = asdict(self)
+        d["tasks"] = [asdict(t) for t in self.tasks]
+        return d
+
+
+PRESETS: dict[str, BenchPreset] = {
+    "tiny": BenchPreset(
+        name="tiny",
+        description="CI smoke test of the whole machinery: 3 small sites, 32 px, 1 round, 2 seeds (seconds)",
+        tasks=(TaskPreset("fundus", sites=3, image_size=32, rounds=1, lam=0.7),
+               TaskPreset("prostate", sites=3, image_size=32, rounds=1, slices=6, lam=0.5)),
+        seeds=(0, 1), batch_size=8, lam_values=(0.9,), gammas=(0.0, 0.6, 1.0), unseen_site=3,
+        personalizations=("apfl", "pfedme"), analysis_seeds=(0,),
+        perf_image_size=32, perf_batches=1, perf_repeats=1, perf_memory=False,
+    ),
+    "cpu-small": BenchPreset(
+        name="cpu-small",
+        description="The full study at CPU scale: 6 sites of unequal size per task, 3 seeds, few rounds",
+        tasks=(TaskPreset("fundus", sites=6, image_size=48, rounds=6, lam=0.7),
+               TaskPreset("prostate", sites=6, image_size=32, rounds=5, slices=6, lam=0.3)),
+        seeds=(0, 1, 2), batch_size=8,
+    ),
+    "paper": BenchPreset(
+        name="paper",
+        description="The paper's scale: 256 x 256, 150 rounds, 1 local epoch; meant for a GPU",
+        tasks=(TaskPreset("fundus", sites=6, image_size=256, rounds=150, lam=0.7),
+               TaskPreset("prostate", sites=6, image_size=256, rounds=150, slices=12, lam=0.3)),
+        seeds=(0, 1, 2), batch_size=8, analysis_seeds=(0, 1, 2), perf_image_size=256,
+    ),
+}
+
+
+def get_preset(name: str) -> BenchPreset:
+    """The preset called ``name``; :class:`ConfigError` names the choices otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown benchmark preset {name!r}; choose one of: {', '.join(PRESETS)}") from None

@@ -1,0 +1,174 @@
+"""The whole ``fedsm bench`` run: plan the jobs, run what is not cached, write the report.
+
+Order of work (so an interrupted run has the most useful part done): the performance figures
+(minutes), the main comparison seed by seed over both tasks, then the personalization
+alternatives, the unseen site and the lam sweep. Every finished job is cached
+(:mod:`engine.bench.cache`); a rerun skips it unless ``fresh``. The report is regenerated from
+whatever the cache holds, so a partial run still yields tables that say what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from engine.bench.cache import JobKey, ResultCache
+from engine.bench.presets import BenchPreset, get_preset
+from engine.errors import CancelledError
+from engine.io.atomic import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[dict[str, Any]], None]
+#: Pseudo-task of jobs that cover no single task.
+ALL_TASKS = "all"
+
+
+def lam_label(lam: float) -> str:
+    """Method name of a lam-sweep job, e.g. ``lam0.30``."""
+    return f"lam{lam:.2f}"
+
+
+def plan_jobs(preset: BenchPreset) -> list[JobKey]:
+    """Every job of ``preset`` in the order they run."""
+    from engine.bench.jobs import effective_lam
+
+    jobs: list[JobKey] = []
+    if preset.perf:
+        jobs.append(JobKey(ALL_TASKS, "perf", "perf", 0))
+    for seed in preset.seeds:
+        for tp in preset.tasks:
+            jobs += [JobKey(tp.task, "main", m, seed) for m in preset.methods]
+    for seed in preset.analysis_seeds:
+        for tp in preset.tasks:
+            jobs += [JobKey(tp.task, "personalization", f"fedsm-{k}", seed) for k in preset.personalizations]
+    for seed in preset.analysis_seeds:
+        for tp in preset.tasks:
+            jobs += [JobKey(tp.task, "unseen", m, seed) for m in ("fedsm", "fedavg")]
+    for seed in preset.analysis_seeds:
+        for tp in preset.tasks:
+            main_lam = effective_lam(tp.lam, tp.sites)
+            for lam in preset.lam_values:
+                # the main run already trained FedSM with this lam and seed
+                if abs(effective_lam(lam, tp.sites) - main_lam) < 1e-9 and seed in preset.seeds:
+                    continue
+                jobs.append(JobKey(tp.task, "lam", lam_label(lam), seed))
+    return jobs
+
+
+def machine_info(device: str, threads: int) -> dict[str, Any]:
+    """Where the benchmark ran (recorded in the report)."""
+    import torch
+
+    from engine.fl.local_training import Device
+
+    dev = Device.resolve(device)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "torch_threads": threads, "device": str(dev.torch_device), "mixed_precision": dev.amp,
+            "gpu": torch.cuda.get_device_name(0) if dev.torch_device.type == "cuda" else None,
+            "load_average_at_start": [round(x, 2) for x in load] if load else None}
+
+
+def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, device: str = "auto",
+                  threads: int = 1, docs_dir: Path | None = None, command: str | None = None,
+                  progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Run (or resume) a benchmark and write its report.
+
+    Parameters
+    ----------
+    preset_name
+        ``tiny``, ``cpu-small`` or ``paper`` (:mod:`engine.bench.presets`).
+    out_dir
+        Folder for data, cached results (``results/``), events and the report (``report/``).
+    fresh
+        Ignore and overwrite cached results.
+    threads
+        Torch intra-op threads (recorded in the report).
+    docs_dir
+        Also write ``results.md`` and ``img/results/*.png`` there (the repository's ``docs``).
+    command
+        The command line recorded in the report.
+
+    Returns
+    -------
+    dict
+        Summary: jobs run, skipped and failed, wall time, report paths.
+    """
+    import torch
+
+    from engine.bench.jobs import JobContext, job_settings, load_task_sites, run_job
+    from engine.bench.perf import measure_all, perf_settings
+    from engine.bench.report import write_report
+
+    preset = get_preset(preset_name)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(int(threads), 1))
+    cache = ResultCache(out_dir / "results")
+    jobs = plan_jobs(preset)
+    machine = machine_info(device, threads)
+    started = time.perf_counter()
+    summary: dict[str, Any] = {"preset": preset.name, "ran": [], "cached": [], "failed": {}}
+    contexts: dict[str, JobContext] = {}
+
+    def emit(event: dict[str, Any]) -> None:
+        if progress:
+            progress(event)
+
+    for i, key in enumerate(jobs, start=1):
+        if cancel is not None and cancel():
+            raise CancelledError(f"benchmark cancelled before job {key.label}")
+        tp = preset.task(key.task) if key.task != ALL_TASKS else None
+        settings = perf_settings(preset, device) if tp is None else job_settings(preset, tp, key, device)
+        if not fresh and cache.load(key, settings) is not None:
+            summary["cached"].append(key.label)
+            continue
+        emit({"event": "status", "message": f"[{i}/{len(jobs)}] {key.label}"})
+        t0 = time.perf_counter()
+        try:
+            if tp is None:
+                result = measure_all(preset, device)
+            else:
+                if tp.task not in contexts:
+                    contexts[tp.task] = JobContext(preset, tp, load_task_sites(preset, tp, out_dir, progress),
+                                                   out_dir / "work", device, progress, cancel)
+                result = run_job(contexts[tp.task], key)
+        except CancelledError:
+            raise
+        except Exception as exc:  # one failed job must not cost the rest of an hour-long run
+            log.exception("benchmark job %s failed", key.label)
+            summary["failed"][key.label] = f"{type(exc).__name__}: {exc}"
+            emit({"event": "error", "method": key.method, "message": f"{key.label} failed: {exc}"})
+            continue
+        result["job_wall_s"] = round(time.perf_counter() - t0, 2)
+        cache.save(key, settings, result)
+        summary["ran"].append(key.label)
+        avg = result.get("client_average", {})
+        if isinstance(avg, dict) and "mean" in avg:
+            emit({"event": "method_end", "method": f"{key.task} {key.analysis} {key.method} seed {key.seed}",
+                  "client_average": avg, "wall_s": result["job_wall_s"]})
+    summary["wall_s"] = round(time.perf_counter() - started, 1)
+    meta = {"preset": preset.to_json(), "machine": machine, "command": command,
+            "finished": datetime.now(UTC).isoformat(timespec="seconds"), "run": summary,
+            "planned": [k.label for k in jobs]}
+    report_paths = write_report(cache, preset, meta, out_dir / "report", img_prefix="img",
+                                settings_for=lambda k: (perf_settings(preset, device) if k.task == ALL_TASKS
+                                                        else job_settings(preset, preset.task(k.task), k, device)))
+    if docs_dir is not None:
+        write_report(cache, preset, meta, Path(docs_dir), img_prefix="img/results", img_dir=Path(docs_dir) / "img"
+                     / "results", settings_for=lambda k: (perf_settings(preset, device) if k.task == ALL_TASKS
+                                                          else job_settings(preset, preset.task(k.task), k, device)),
+                     preserve_reading=True)
+        summary["docs"] = str(Path(docs_dir) / "results.md")
+    summary["report"] = str(report_paths)
+    write_text_atomic(out_dir / "summary.json", json.dumps(meta, indent=1) + "\n")
+    return summary

@@ -1,0 +1,254 @@
+"""Benchmark tables: cached job results reduced to mean ± std over seeds, as markdown rows.
+
+Every function takes the collected results ``{JobKey: result}`` and returns plain data
+(``rows``) that :mod:`engine.bench.report` renders and :mod:`engine.bench.plots` draws.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from engine.bench.cache import JobKey
+
+Results = Mapping[JobKey, dict[str, Any]]
+
+METHOD_TITLES = {"centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
+                 "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
+                 "fedsm-finetune": "FedSM + local fine-tuning", "fedsm-apfl": "FedSM + APFL",
+                 "fedsm-perfedavg": "FedSM + Per-FedAvg", "fedsm-pfedme": "FedSM + pFedMe",
+                 "softpull": "FedSM + SoftPull (FedSM)"}
+
+#: Client-average Dice the paper reports (Table 3: retinal = fundus, prostate).
+PAPER_CLIENT_AVERAGE = {
+    "fundus": {"centralized": 0.8898, "fedavg": 0.8710, "fedprox": 0.8434, "scaffold": 0.8141, "fedsm": 0.8914,
+               "fedsm-extra": 0.8905},
+    "prostate": {"centralized": 0.8737, "fedavg": 0.8684, "fedsm": 0.8763},
+}
+
+
+def mean_std(values: Iterable[float | None]) -> tuple[float, float, int]:
+    """Mean, sample std (0 for one value) and count of the finite values."""
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not vals:
+        return float("nan"), float("nan"), 0
+    return float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0, len(vals)
+
+
+def fmt(mean: float, std: float | None = None, n: int | None = None, digits: int = 4) -> str:
+    """``0.8123 ± 0.0100`` (std omitted for one value); ``—`` when nothing was measured."""
+    if mean is None or not math.isfinite(mean):
+        return "—"
+    if std is None or (n is not None and n < 2):
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _select(results: Results, task: str, analysis: str, method: str | None = None) -> dict[int, dict[str, Any]]:
+    return {k.seed: r for k, r in results.items()
+            if k.task == task and k.analysis == analysis and (method is None or k.method == method)}
+
+
+def _stat(runs: Mapping[int, dict[str, Any]], get: Callable[[dict[str, Any]], Any]) -> tuple[float, float, int]:
+    vals = []
+    for r in runs.values():
+        try:
+            vals.append(get(r))
+        except (KeyError, TypeError, IndexError):
+            continue
+    return mean_std(vals)
+
+
+def main_rows(results: Results, task: str, methods: Iterable[str], labels: list[str]) -> list[dict[str, Any]]:
+    """Per method: client-average Dice per structure and mean, pooled, wall time, seeds."""
+    rows = []
+    for m in methods:
+        runs = _select(results, task, "main", m)
+        row: dict[str, Any] = {"method": m, "seeds": sorted(runs)}
+        for lab in [*labels, "mean"]:
+            row[lab] = _stat(runs, lambda r, lab=lab: r["client_average"][lab])
+        row["pooled"] = _stat(runs, lambda r: r["pooled"]["mean"])
+        row["wall_s"] = _stat(runs, lambda r: r["wall_s"])
+        row["paper"] = PAPER_CLIENT_AVERAGE.get(task, {}).get(m)
+        row["received"] = _stat(runs, lambda r: np.mean([v["received_mean"] for v in r["bytes_per_round"].values()]))
+        row["sent"] = _stat(runs, lambda r: np.mean([v["sent_mean"] for v in r["bytes_per_round"].values()]))
+        rows.append(row)
+    return rows
+
+
+def paired_difference(results: Results, task: str, a: str, b: str) -> dict[str, Any]:
+    """Per-seed difference of client-average mean Dice ``a - b`` over the seeds both ran.
+
+    Both methods see the same data and seed, so the per-seed difference removes most of the
+    seed-to-seed spread that the methods share (initialisation, batch order).
+    """
+    ra, rb = _select(results, task, "main", a), _select(results, task, "main", b)
+    diffs = [ra[s]["client_average"]["mean"] - rb[s]["client_average"]["mean"] for s in sorted(set(ra) & set(rb))]
+    mean, std, n = mean_std(diffs)
+    return {"mean": mean, "std": std, "n": n, "higher": sum(d > 0 for d in diffs), "lower": sum(d < 0 for d in diffs)}
+
+
+def per_site_rows(results: Results, task: str, methods: Iterable[str]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Per method: each site's mean Dice (mean over seeds)."""
+    sites: list[str] = []
+    rows = []
+    for m in methods:
+        runs = _select(results, task, "main", m)
+        if not runs:
+            continue
+        first = next(iter(runs.values()))
+        sites = sites or list(first["dice"])
+        rows.append({"method": m, **{s: _stat(runs, lambda r, s=s: r["dice"][s]["mean"]) for s in sites}})
+    return sites, rows
+
+
+def fedsm_detail_rows(results: Results, task: str) -> list[dict[str, Any]]:
+    """FedSM / FedSM-extra: selector accuracy, share routed to own model / global, components."""
+    rows = []
+    for m in ("fedsm", "fedsm-extra"):
+        runs = _select(results, task, "main", m)
+        if not runs:
+            continue
+
+        def own_share(r: dict[str, Any]) -> float:
+            routing = r["extra"]["routing"]
+            return float(np.mean([freq[site] for site, freq in routing.items()]))
+
+        rows.append({
+            "method": m,
+            "selector_accuracy": _stat(runs, lambda r: r["extra"]["selector_accuracy"]["overall"]),
+            "own_share": _stat(runs, own_share),
+            "global_share": _stat(runs, lambda r: np.mean([f["global"] for f in r["extra"]["routing"].values()])),
+            "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
+            "global_only": _stat(runs, lambda r: r["extra"]["components"]["global_only"]["client_average"]["mean"]),
+            "oracle": _stat(runs, lambda r: r["extra"]["components"]["personal_oracle"]["client_average"]["mean"]),
+        })
+    return rows
+
+
+def gamma_rows(sweeps: list[dict[str, Any]], own: bool) -> list[dict[str, Any]]:
+    """Per gamma, over runs: client-average Dice and routing shares (global, own model)."""
+    if not sweeps:
+        return []
+    rows = []
+    for i, g in enumerate(sweeps[0]["gammas"]):
+        gamma = g["gamma"]
+        dice = mean_std([s["gammas"][i]["client_average"] for s in sweeps])
+        glob = mean_std([np.mean([f["global"] for f in s["gammas"][i]["routing"].values()]) for s in sweeps])
+        row = {"gamma": gamma, "dice": dice, "global_share": glob}
+        if own:
+            row["own_share"] = mean_std([np.mean([f[site] for site, f in s["gammas"][i]["routing"].items()])
+                                         for s in sweeps])
+        else:
+            models = sweeps[0]["models"]
+            row["routing"] = {m: mean_std([np.mean([f[m] for f in s["gammas"][i]["routing"].values()])
+                                           for s in sweeps])[0] for m in models}
+        rows.append(row)
+    return rows
+
+
+def lam_rows(results: Results, task: str, main_lam: float, sites: int, lam_values: Iterable[float],
+             analysis_seeds: Iterable[int]) -> list[dict[str, Any]]:
+    """Per lam: routed, oracle and global-only client-average Dice.
+
+    A lam that equals the main runs' lam (after raising it to ``1/K``) is read from the main
+    FedSM runs with the analysis seeds instead of being trained twice.
+    """
+    from engine.bench.jobs import effective_lam
+    from engine.bench.runner import lam_label
+
+    seeds = set(analysis_seeds)
+    rows = []
+    for lam in lam_values:
+        used = effective_lam(lam, sites)
+        runs = _select(results, task, "lam", lam_label(lam))
+        if not runs and abs(used - effective_lam(main_lam, sites)) < 1e-9:
+            runs = {s: r for s, r in _select(results, task, "main", "fedsm").items() if s in seeds}
+        rows.append({"lam": lam, "lam_used": used, "seeds": sorted(runs),
+                     "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
+                     "oracle": _stat(runs, lambda r: r["extra"]["components"]["personal_oracle"]["client_average"]
+                                     ["mean"]),
+                     "global_only": _stat(runs, lambda r: r["extra"]["components"]["global_only"]["client_average"]
+                                          ["mean"])})
+    return rows
+
+
+def personalization_rows(results: Results, task: str, kinds: Iterable[str],
+                         analysis_seeds: Iterable[int]) -> list[dict[str, Any]]:
+    """SoftPull (main FedSM with the analysis seeds) and each alternative."""
+    seeds = set(analysis_seeds)
+    entries = [("softpull", {s: r for s, r in _select(results, task, "main", "fedsm").items() if s in seeds})]
+    entries += [(f"fedsm-{k}", _select(results, task, "personalization", f"fedsm-{k}")) for k in kinds]
+    rows = []
+    for name, runs in entries:
+        rows.append({"method": name, "seeds": sorted(runs),
+                     "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
+                     "oracle": _stat(runs, lambda r: r["extra"]["components"]["personal_oracle"]["client_average"]
+                                     ["mean"]),
+                     "global_only": _stat(runs, lambda r: r["extra"]["components"]["global_only"]["client_average"]
+                                          ["mean"]),
+                     "selector_accuracy": _stat(runs, lambda r: r["extra"]["selector_accuracy"]["overall"]),
+                     "wall_s": _stat(runs, lambda r: r["wall_s"])})
+    return rows
+
+
+def unseen_summary(results: Results, task: str) -> dict[str, Any]:
+    """The unseen-site analysis: gamma sweeps on the unseen and participating sites, baselines."""
+    fedsm = _select(results, task, "unseen", "fedsm")
+    fedavg = _select(results, task, "unseen", "fedavg")
+    out: dict[str, Any] = {"seeds": sorted(fedsm), "fedavg_seeds": sorted(fedavg)}
+    if fedsm:
+        first = next(iter(fedsm.values()))
+        out["site"] = first["unseen_site"]
+        unseen = [r["unseen"] for r in fedsm.values()]
+        out["models"] = first["unseen"]["models"]
+        out["unseen_rows"] = gamma_rows(unseen, own=False)
+        out["participating_rows"] = gamma_rows([r["participating"] for r in fedsm.values()], own=True)
+        site = out["site"]
+        out["per_model"] = {m: mean_std([u["per_model"][site][m] for u in unseen])[0] for m in out["models"]}
+        out["confidence"] = mean_std([u["confidence"][site]["mean"] for u in unseen])
+        out["argmax"] = {m: mean_std([u["argmax"][site][m] for u in unseen])[0] for m in out["models"][1:]}
+    out["fedavg"] = _stat(fedavg, lambda r: r["unseen_dice"])
+    return out
+
+
+def curve_series(results: Results, task: str, methods: Iterable[str]) -> dict[str, dict[str, list[float]]]:
+    """Per method and series (``global``, ``personal``): mean validation Dice per round over seeds."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for m in methods:
+        runs = _select(results, task, "main", m)
+        curves = [r.get("curves") or [] for r in runs.values()]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        rounds = min(len(c) for c in curves)
+        series: dict[str, list[float]] = {"round": [float(p["round"]) for p in curves[0][:rounds]]}
+        for name in ("global", "personal"):
+            if all(name in c[0] for c in curves):
+                series[name] = [mean_std([c[i][name] for c in curves])[0] for i in range(rounds)]
+        out[m] = series
+    return out
+
+
+def loss_series(results: Results, task: str, methods: Iterable[str]) -> dict[str, list[float]]:
+    """Per method: mean training loss per round (global model's loss for FedSM), over sites and seeds."""
+    out: dict[str, list[float]] = {}
+    for m in methods:
+        runs = _select(results, task, "main", m)
+        per_run = []
+        for r in runs.values():
+            values = []
+            for rnd in r["rounds"]:
+                losses = [mt.get("loss", mt.get("loss_global")) for mt in rnd["metrics"].values()]
+                losses = [v for v in losses if v is not None]
+                if losses:
+                    values.append(float(np.mean(losses)))
+            per_run.append(values)
+        per_run = [v for v in per_run if v]
+        if per_run:
+            n = min(len(v) for v in per_run)
+            out[m] = [float(np.mean([v[i] for v in per_run])) for i in range(n)]
+    return out

@@ -1,0 +1,366 @@
+"""Personalization alternatives to SoftPull inside FedSM (the paper's Table 6).
+
+FedSM's personalized models come from SoftPull. The paper compares SoftPull with four other ways
+of getting a personalized model per site while the global model (FedAvg) and the model selector
+train exactly as in FedSM. This module holds their update rules as small functions (tested
+against hand-computed values) and the site half of one local round for each.
+
+Alternatives and hyper-parameters (:class:`PersonalizationConfig`):
+
+``finetune``  local fine-tuning
+    Training rounds train the global model and the selector only. In the calibration round each
+    site fine-tunes the *final* global model on its own training data for ``finetune_epochs``
+    epochs (Adam, the U-Nets' learning rate); the result is its personalized model.
+``apfl``  APFL, Deng et al. 2020 ("Adaptive Personalized Federated Learning"), Algorithm 1
+    Each site keeps a private model ``v`` and a mixing weight ``alpha`` (init ``apfl_alpha``).
+    Per batch: the site's copy of the global model ``w`` takes its FedAvg step; ``v`` takes a
+    step with the gradient of the loss at the mixture ``vbar = alpha v + (1 - alpha) w``
+    (``grad_v = alpha grad f(vbar)``, Adam); ``alpha <- clip(alpha - alpha_lr <v - w, grad f(vbar)>,
+    0, 1)`` (plain gradient step, as in the paper). The personalized model is the final
+    mixture ``alpha v + (1 - alpha) w_global``.
+``perfedavg``  Per-FedAvg, Fallah et al. 2020, first-order version (FO-MAML)
+    A second shared U-Net ``theta`` (the meta-model) is trained by FedAvg with the first-order
+    MAML step: each batch is split into halves ``D, D'``; ``theta' = theta - inner_lr grad f(theta; D)``
+    (SGD), then ``theta`` takes an Adam step along ``grad f(theta'; D')``. The personalized
+    model is the final ``theta`` after ``adapt_steps`` SGD steps of ``inner_lr`` on the site's
+    training set (full-data gradient, mean over its batches).
+``pfedme``  pFedMe, Dinh et al. 2020 ("Personalized FL with Moreau Envelopes"), Algorithm 1
+    Per batch the site's personalized model ``theta`` approximately solves
+    ``min f(theta; D) + lam/2 ||theta - w_loc||^2`` with ``pfedme_inner_steps`` Adam steps, then
+    its local copy of the pFedMe model moves ``w_loc <- w_loc - eta lam (w_loc - theta)``; the
+    server sets ``w <- (1 - beta) w + beta mean(w_loc)``. ``theta`` stays at the site and is
+    the personalized model. Defaults follow the paper (``lam`` 15, ``eta`` 0.005, ``beta`` 1)
+    except 3 inner steps instead of 5 and Adam as the inner solver (plain SGD at 0.01 barely
+    moves a U-Net trained with a Dice loss in a few rounds).
+
+Where the original algorithms use plain SGD for the main model we use Adam with the U-Nets'
+learning rate, like every other method here, so the comparison isolates the personalization rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from engine.errors import ConfigError
+from engine.fl.weights import Weights, clone_weights, weighted_sum
+
+if TYPE_CHECKING:
+    from engine.data.site_data import SplitArrays
+    from engine.fl.local_training import LocalTrainingConfig, RoundContext
+    from engine.tasks import TaskSpec
+
+#: The alternatives, in the order tables list them (SoftPull is plain :class:`FedSM`).
+PERSONALIZATIONS = ("finetune", "apfl", "perfedavg", "pfedme")
+
+LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PersonalizationConfig:
+    """Hyper-parameters of the personalization alternatives (see the module docstring)."""
+
+    finetune_epochs: int = 2
+    apfl_alpha: float = 0.5
+    apfl_alpha_lr: float = 0.01
+    inner_lr: float = 0.01
+    adapt_steps: int = 1
+    pfedme_lam: float = 15.0
+    pfedme_eta: float = 0.005
+    pfedme_beta: float = 1.0
+    pfedme_inner_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.apfl_alpha <= 1.0:
+            raise ConfigError(f"apfl_alpha={self.apfl_alpha} must lie in [0, 1]")
+        if self.finetune_epochs < 1 or self.adapt_steps < 0 or self.pfedme_inner_steps < 1:
+            raise ConfigError("finetune_epochs and pfedme_inner_steps must be >= 1, adapt_steps >= 0")
+        if min(self.apfl_alpha_lr, self.inner_lr, self.pfedme_lam, self.pfedme_eta) <= 0:
+            raise ConfigError("personalization step sizes and pfedme_lam must be > 0")
+        if not 0.0 < self.pfedme_beta <= 2.0:
+            raise ConfigError(f"pfedme_beta={self.pfedme_beta} must lie in (0, 2]")
+
+
+# --------------------------------------------------------------------------------------------
+# Update rules (pure; tested against hand-computed values)
+# --------------------------------------------------------------------------------------------
+def apfl_mix(v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], alpha: float) -> Weights:
+    """APFL's personalized model ``alpha v + (1 - alpha) w``."""
+    return weighted_sum([(v, alpha), (w, 1.0 - alpha)])
+
+
+def apfl_gradients(v: Mapping[str, torch.Tensor], w: Mapping[str, torch.Tensor], alpha: float,
+                   grad_at_mix: Mapping[str, torch.Tensor]) -> tuple[Weights, float]:
+    """Gradients of APFL's private model and mixing weight from ``g = grad f(vbar)``.
+
+    Returns
+    -------
+    grad_v, grad_alpha
+        ``alpha g`` per tensor and ``sum <v - w, g>`` over all tensors.
+    """
+    grad_v = {k: alpha * g for k, g in grad_at_mix.items()}
+    grad_alpha = float(sum(((v[k] - w[k]) * g).sum() for k, g in grad_at_mix.items()))
+    return grad_v, grad_alpha
+
+
+def apfl_alpha_step(alpha: float, grad_alpha: float, lr: float) -> float:
+    """``clip(alpha - lr grad_alpha, 0, 1)``."""
+    return float(min(max(alpha - lr * grad_alpha, 0.0), 1.0))
+
+
+def pfedme_local_update(w_local: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor],
+                        lam: float, eta: float) -> Weights:
+    """pFedMe's local model step ``w <- w - eta lam (w - theta)``."""
+    return {k: w_local[k] - eta * lam * (w_local[k] - theta[k]) for k in w_local}
+
+
+def pfedme_server_update(server: Mapping[str, torch.Tensor], local: Sequence[Mapping[str, torch.Tensor]],
+                         beta: float) -> Weights:
+    """pFedMe's server step ``w <- (1 - beta) w + beta mean_k(w_k)`` over the answering sites."""
+    if not local:
+        return dict(server)
+    share = beta / len(local)
+    return weighted_sum([(server, 1.0 - beta), *[(w, share) for w in local]])
+
+
+def first_order_maml_gradient(net: torch.nn.Module, loss_fn: LossFn, batch_a: Any, batch_b: Any,
+                              inner_lr: float) -> dict[str, torch.Tensor]:
+    """Per-FedAvg's first-order meta-gradient ``grad f(theta - inner_lr grad f(theta; a); b)``."""
+    params = dict(net.named_parameters())
+    loss_a = loss_fn(lambda x: functional_call(net, params, (x,)), batch_a)
+    grads = torch.autograd.grad(loss_a, list(params.values()))
+    adapted = {n: (p - inner_lr * g).detach().requires_grad_() for (n, p), g in zip(params.items(), grads,
+                                                                                   strict=True)}
+    loss_b = loss_fn(lambda x: functional_call(net, adapted, (x,)), batch_b)
+    meta = torch.autograd.grad(loss_b, list(adapted.values()))
+    return {n: g.detach() for n, g in zip(adapted, meta, strict=True)}
+
+
+def pfedme_objective(net: torch.nn.Module, loss: torch.Tensor, w_local: Mapping[str, torch.Tensor],
+                     lam: float) -> torch.Tensor:
+    """pFedMe's inner objective ``f(theta) + lam/2 ||theta - w_local||^2``."""
+    prox = sum(((p - w_local[n]) ** 2).sum() for n, p in net.named_parameters())
+    return loss + 0.5 * lam * prox
+
+
+# --------------------------------------------------------------------------------------------
+# Site half of one round
+# --------------------------------------------------------------------------------------------
+def _seg_net(task: TaskSpec, weights: Mapping[str, torch.Tensor], device: Any) -> torch.nn.Module:
+    from engine.models import build_segmentation_net
+
+    net = build_segmentation_net(task.in_channels, task.out_channels)
+    net.load_state_dict(weights)
+    return net.to(device.torch_device).train()
+
+
+def _adam(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam(net.parameters(), lr=lr, betas=(0.9, 0.999))
+
+
+def _dice_batch_loss() -> Callable[[Callable[[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                                   torch.Tensor]:
+    from monai.losses import DiceLoss
+
+    dice = DiceLoss(sigmoid=True, batch=True)
+    return lambda forward, batch: dice(forward(batch[0]), batch[1])
+
+
+def _set_grads(net: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    for name, p in net.named_parameters():
+        p.grad = grads[name].to(p.device, p.dtype).clone()
+
+
+def _halves(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if len(idx) < 2:
+        return idx, idx
+    half = len(idx) // 2
+    return idx[:half], idx[half:]
+
+
+def _net_weights(net: torch.nn.Module) -> Weights:
+    return clone_weights(net.state_dict())
+
+
+def train_personalized_round(
+    kind: str,
+    task: TaskSpec,
+    weights: Mapping[str, Mapping[str, torch.Tensor]],
+    site_index: int,
+    num_sites: int,
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    pcfg: PersonalizationConfig,
+    site_state: dict[str, Any],
+    seed: int,
+    ctx: RoundContext,
+) -> tuple[dict[str, Weights], dict[str, float]]:
+    """One local training round of FedSM with personalization ``kind`` instead of SoftPull.
+
+    ``weights`` holds ``global`` and ``selector`` (and ``personal``, the shared meta / pFedMe
+    model, for ``perfedavg`` and ``pfedme``). Private state (APFL's ``v`` and ``alpha``,
+    pFedMe's ``theta``) lives in ``site_state`` between rounds and never leaves the site.
+
+    Returns
+    -------
+    parts, metrics
+        The trained parts to send back (same keys as received) and mean losses.
+    """
+    from engine.fl.local_training import Device, _selector_learner, _to_device, batch_order, selector_inputs
+
+    if kind not in PERSONALIZATIONS:
+        raise ConfigError(f"unknown personalization {kind!r}; choose from {', '.join(PERSONALIZATIONS)}")
+    device = Device.resolve(cfg.device)
+    torch.manual_seed(seed)
+    loss_of = _dice_batch_loss()
+    glob = _seg_net(task, weights["global"], device)
+    glob_opt = _adam(glob, cfg.lr)
+    sel = _selector_learner(task, weights["selector"], num_sites, cfg, device)
+    small = selector_inputs(data.images, cfg.selector_size)
+
+    second: torch.nn.Module | None = None  # v (APFL), theta meta (Per-FedAvg), w_loc (pFedMe)
+    theta: torch.nn.Module | None = None  # pFedMe's personalized model
+    if kind == "apfl":
+        second = _seg_net(task, site_state.get("apfl_v", weights["global"]), device)
+        site_state.setdefault("apfl_alpha", pcfg.apfl_alpha)
+    elif kind in ("perfedavg", "pfedme"):
+        second = _seg_net(task, weights["personal"], device)
+    if kind == "pfedme":
+        theta = _seg_net(task, site_state.get("pfedme_theta", weights["personal"]), device)
+    second_opt = _adam(second, cfg.lr) if second is not None and kind != "pfedme" else None
+    theta_opt = _adam(theta, cfg.lr) if theta is not None else None
+
+    batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
+    sums: dict[str, float] = {}
+    for i, idx in enumerate(batches, start=1):
+        ctx.check_cancel()
+        x = _to_device(data.images, idx, device)
+        y = _to_device(data.masks, idx, device)
+        losses: dict[str, float] = {}
+        if kind == "apfl":
+            assert second is not None and second_opt is not None
+            alpha = float(site_state["apfl_alpha"])
+            v_now = {n: p.detach() for n, p in second.named_parameters()}
+            w_now = {n: p.detach() for n, p in glob.named_parameters()}
+            mixed = {n: (alpha * v_now[n] + (1 - alpha) * w_now[n]).requires_grad_() for n in v_now}
+            loss_mix = loss_of(lambda inp, mixed=mixed: functional_call(second, mixed, (inp,)), (x, y))
+            grads = dict(zip(mixed, torch.autograd.grad(loss_mix, list(mixed.values())), strict=True))
+            grad_v, grad_alpha = apfl_gradients(v_now, w_now, alpha, grads)
+            second_opt.zero_grad(set_to_none=True)
+            _set_grads(second, grad_v)
+            second_opt.step()
+            site_state["apfl_alpha"] = apfl_alpha_step(alpha, grad_alpha, pcfg.apfl_alpha_lr)
+            losses["personal"] = float(loss_mix.detach())
+        elif kind == "perfedavg":
+            assert second is not None and second_opt is not None
+            a, b = _halves(idx)
+            batch_a = (_to_device(data.images, a, device), _to_device(data.masks, a, device))
+            batch_b = (_to_device(data.images, b, device), _to_device(data.masks, b, device))
+            meta = first_order_maml_gradient(second, loss_of, batch_a, batch_b, pcfg.inner_lr)
+            second_opt.zero_grad(set_to_none=True)
+            _set_grads(second, meta)
+            second_opt.step()
+            with torch.no_grad():
+                losses["personal"] = float(loss_of(second, (x, y)))
+        elif kind == "pfedme":
+            assert second is not None and theta is not None and theta_opt is not None
+            w_loc = {n: p.detach().clone() for n, p in second.named_parameters()}
+            for _ in range(pcfg.pfedme_inner_steps):
+                theta_opt.zero_grad(set_to_none=True)
+                fit = loss_of(theta, (x, y))
+                pfedme_objective(theta, fit, w_loc, pcfg.pfedme_lam).backward()
+                theta_opt.step()
+            new_w = pfedme_local_update(w_loc, {n: p.detach() for n, p in theta.named_parameters()},
+                                        pcfg.pfedme_lam, pcfg.pfedme_eta)
+            with torch.no_grad():
+                for n, p in second.named_parameters():
+                    p.copy_(new_w[n])
+            losses["personal"] = float(fit.detach())
+        glob_opt.zero_grad(set_to_none=True)
+        loss_g = loss_of(glob, (x, y))
+        loss_g.backward()
+        glob_opt.step()
+        losses["global"] = float(loss_g.detach())
+        xs = _to_device(small, idx, device)
+        label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
+        losses["selector"] = sel.step(lambda net, xs=xs, label=label: F.cross_entropy(net(xs), label))
+        for k, v in losses.items():
+            sums[k] = sums.get(k, 0.0) + v
+        ctx.report(i, len(batches), losses)
+
+    parts: dict[str, Weights] = {"global": _net_weights(glob), "selector": clone_weights(sel.net.state_dict())}
+    if kind == "apfl":
+        assert second is not None
+        site_state["apfl_v"] = _net_weights(second)
+    elif kind in ("perfedavg", "pfedme"):
+        assert second is not None
+        parts["personal"] = _net_weights(second)
+    if theta is not None:
+        site_state["pfedme_theta"] = _net_weights(theta)
+    n = max(len(batches), 1)
+    metrics = {f"loss_{k}": v / n for k, v in sums.items()} | {"steps": float(len(batches))}
+    if kind == "apfl":
+        metrics["apfl_alpha"] = float(site_state["apfl_alpha"])
+    return parts, metrics
+
+
+def personalized_model(
+    kind: str,
+    task: TaskSpec,
+    weights: Mapping[str, Mapping[str, torch.Tensor]],
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    pcfg: PersonalizationConfig,
+    site_state: dict[str, Any],
+    seed: int,
+    ctx: RoundContext,
+) -> Weights:
+    """The site's final personalized model, built in the calibration round.
+
+    ``weights`` holds the final ``global`` model (and the final shared ``personal`` model for
+    ``perfedavg``).
+    """
+    from engine.fl.local_training import Device, _to_device, batch_order
+
+    if kind == "apfl":
+        if "apfl_v" not in site_state:  # the site missed every training round: no private model
+            return clone_weights(weights["global"])
+        return apfl_mix(site_state["apfl_v"], weights["global"], float(site_state["apfl_alpha"]))
+    if kind == "pfedme":
+        return clone_weights(site_state.get("pfedme_theta", weights["global"]))
+    device = Device.resolve(cfg.device)
+    torch.manual_seed(seed)
+    loss_of = _dice_batch_loss()
+    if kind == "finetune":
+        net = _seg_net(task, weights["global"], device)
+        opt = _adam(net, cfg.lr)
+        batches = batch_order(len(data.images), cfg.batch_size, pcfg.finetune_epochs, seed)
+        for i, idx in enumerate(batches, start=1):
+            ctx.check_cancel()
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(net, (_to_device(data.images, idx, device), _to_device(data.masks, idx, device)))
+            loss.backward()
+            opt.step()
+            ctx.report(i, len(batches), {"finetune": float(loss.detach())})
+        return _net_weights(net)
+    if kind == "perfedavg":
+        net = _seg_net(task, weights["personal"], device)
+        batches = batch_order(len(data.images), cfg.batch_size, 1, seed)
+        for _ in range(pcfg.adapt_steps):
+            grads = [torch.zeros_like(p) for p in net.parameters()]
+            for idx in batches:
+                ctx.check_cancel()
+                loss = loss_of(net, (_to_device(data.images, idx, device), _to_device(data.masks, idx, device)))
+                for acc, g in zip(grads, torch.autograd.grad(loss, list(net.parameters())), strict=True):
+                    acc += g / len(batches)
+            with torch.no_grad():
+                for p, g in zip(net.parameters(), grads, strict=True):
+                    p -= pcfg.inner_lr * g
+        return _net_weights(net)
+    raise ConfigError(f"unknown personalization {kind!r}; choose from {', '.join(PERSONALIZATIONS)}")

@@ -1,0 +1,32 @@
+"""Performance figures: traffic from the real payloads, and one in-process memory measurement."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.bench.perf import _memory_child, measure_traffic
+
+
+def test_traffic_counts_the_three_networks():
+    from engine.fl.weights import model_weights, payload_bytes
+    from engine.models import build_segmentation_net, build_selector
+    from engine.models.selector import head_parameter_count
+
+    t = measure_traffic(sites=6)
+    unet = payload_bytes(model_weights(build_segmentation_net(3, 2)))
+    selector = payload_bytes(model_weights(build_selector(3, 6)))
+    assert t["fedavg_bytes_each_way"] == unet
+    assert t["fedsm_bytes_each_way"] == t["fedsm_bytes_up"] == 2 * unet + selector
+    assert t["fedsm_classic_head_bytes_each_way"] - t["fedsm_bytes_each_way"] == 4 * (
+        head_parameter_count("classic", 6) - head_parameter_count("gap", 6))
+    assert t["fedsm_extra_selector_round_bytes_down"] == 7 * unet + payload_bytes(model_weights(build_selector(3, 7)))
+    assert 0 < t["gap_over_classic"] < 0.2
+
+
+def test_memory_child_reports_round_peak():
+    out = _memory_child("fedavg", size=32, batch_size=4, selector_size=32, images=4)
+    assert out["kind"] == "fedavg"
+    assert out["process_peak_rss_mib"] > 0
+    if out["round_peak_rss_mib"] is not None:  # Linux: the high-water mark was reset before the round
+        assert out["round_peak_rss_mib"] >= out["rss_before_round_mib"] - 1
+        assert out["round_rss_increase_mib"] == pytest.approx(out["round_peak_rss_mib"] - out["rss_before_round_mib"])

@@ -1,0 +1,154 @@
+"""Personalization alternatives inside FedSM: update rules against hand-computed values, and one
+federated run per alternative through the real in-process transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from testsupport import random_split
+
+from engine.errors import ConfigError
+from engine.fl.personalization import (
+    PersonalizationConfig,
+    apfl_alpha_step,
+    apfl_gradients,
+    apfl_mix,
+    first_order_maml_gradient,
+    pfedme_local_update,
+    pfedme_objective,
+    pfedme_server_update,
+)
+
+
+def t(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+# --- APFL ------------------------------------------------------------------------------------
+def test_apfl_mix_is_convex_combination():
+    # Prepare
+    v, w = {"a": t(1.0, 2.0)}, {"a": t(3.0, 4.0)}
+    # Execute
+    mixed = apfl_mix(v, w, 0.25)
+    # Assert: 0.25 * [1, 2] + 0.75 * [3, 4]
+    assert torch.allclose(mixed["a"], t(2.5, 3.5))
+
+
+def test_apfl_gradients_by_hand():
+    v, w, g = {"a": t(1.0, 2.0)}, {"a": t(3.0, 4.0)}, {"a": t(0.5, -1.0)}
+    grad_v, grad_alpha = apfl_gradients(v, w, 0.25, g)
+    assert torch.allclose(grad_v["a"], t(0.125, -0.25))  # alpha * g
+    assert grad_alpha == pytest.approx((1 - 3) * 0.5 + (2 - 4) * -1.0)  # <v - w, g> = 1
+
+
+@pytest.mark.parametrize(("alpha", "grad", "expected"), [(0.5, 1.0, 0.4), (0.05, 1.0, 0.0), (0.95, -1.0, 1.0)])
+def test_apfl_alpha_step_is_clipped_to_unit_interval(alpha, grad, expected):
+    assert apfl_alpha_step(alpha, grad, 0.1) == pytest.approx(expected)
+
+
+# --- pFedMe -----------------------------------------------------------------------------------
+def test_pfedme_local_update_moves_towards_theta():
+    # w - eta * lam * (w - theta) = [1, 1] - 0.075 * ([1, 1] - [0, 2])
+    out = pfedme_local_update({"a": t(1.0, 1.0)}, {"a": t(0.0, 2.0)}, lam=15.0, eta=0.005)
+    assert torch.allclose(out["a"], t(0.925, 1.075))
+
+
+@pytest.mark.parametrize(("beta", "expected"), [(1.0, 3.0), (0.5, 1.5)])
+def test_pfedme_server_update(beta, expected):
+    out = pfedme_server_update({"a": t(0.0)}, [{"a": t(2.0)}, {"a": t(4.0)}], beta)
+    assert torch.allclose(out["a"], t(expected))
+
+
+def test_pfedme_server_update_without_answers_keeps_model():
+    server = {"a": t(7.0)}
+    assert torch.equal(pfedme_server_update(server, [], 1.0)["a"], server["a"])
+
+
+def test_pfedme_objective_adds_proximal_term():
+    net = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(3.0)
+    value = pfedme_objective(net, torch.tensor(0.5), {"weight": torch.tensor([[1.0]])}, lam=2.0)
+    assert float(value.detach()) == pytest.approx(0.5 + 0.5 * 2.0 * (3.0 - 1.0) ** 2)
+
+
+# --- Per-FedAvg ---------------------------------------------------------------------------------
+def test_first_order_maml_gradient_by_hand():
+    # f(a; x, y) = (a x - y)^2 with a = 0. Batch A (x=1, y=2): grad = 2 (a x - y) x = -4, so the
+    # adapted a' = 0 - 0.1 * -4 = 0.4. Batch B (x=2, y=2): grad at a' = 2 (0.8 - 2) 2 = -4.8.
+    net = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        net.weight.zero_()
+
+    def loss(forward, batch):
+        x, y = batch
+        return ((forward(x) - y) ** 2).mean()
+
+    grads = first_order_maml_gradient(net, loss, (t(1.0)[:, None], t(2.0)[:, None]),
+                                      (t(2.0)[:, None], t(2.0)[:, None]), inner_lr=0.1)
+    assert grads["weight"].item() == pytest.approx(-4.8)
+    assert net.weight.item() == 0.0  # the network itself is untouched
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ConfigError):
+        PersonalizationConfig(apfl_alpha=1.5)
+    with pytest.raises(ConfigError):
+        PersonalizationConfig(pfedme_inner_steps=0)
+
+
+# --- whole method through the in-process transport --------------------------------------------
+def _run(kind: str, tiny_training):
+    from engine.federation.inprocess import run_rounds
+    from engine.fl.methods import FedSMPersonalized, SiteRuntime
+    from engine.tasks import FUNDUS
+
+    sites = [SiteRuntime("a", 0, random_split(4, seed=1)), SiteRuntime("b", 1, random_split(4, seed=2, shift=0.4))]
+    method = FedSMPersonalized(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, personalization=kind)
+    initial = method.initial_state()
+    state, records = run_rounds(method, sites, method.total_rounds)
+    return method, sites, initial, state, records
+
+
+@pytest.mark.parametrize("kind", ["finetune", "apfl", "perfedavg", "pfedme"])
+def test_each_alternative_trains_and_fills_the_super_model(kind, tiny_training):
+    method, sites, initial, state, records = _run(kind, tiny_training)
+    assert all(not r.failed for r in records), [r.failed for r in records]
+    assert method.name == "fedsm" and method.total_rounds == 2
+    for site in sites:
+        personal = state[f"personal/{site.name}"]
+        assert set(personal) == set(initial["global"])
+        assert all(torch.isfinite(v).all() for v in personal.values())
+        assert any(not torch.equal(personal[k], initial[f"personal/{site.name}"][k]) for k in personal)
+    if kind == "apfl":
+        for site in sites:  # the personalized model is the final mixture alpha v + (1 - alpha) w_global
+            expected = apfl_mix(site.state["apfl_v"], state["global"], site.state["apfl_alpha"])
+            assert all(torch.allclose(state[f"personal/{site.name}"][k], expected[k]) for k in expected)
+    if kind == "pfedme":
+        for site in sites:  # theta stays at the site during training and is the personalized model
+            assert all(torch.equal(state[f"personal/{site.name}"][k], site.state["pfedme_theta"][k])
+                       for k in site.state["pfedme_theta"])
+    if kind in ("finetune", "apfl"):
+        assert "shared" not in state
+    else:
+        assert "shared" in state
+
+
+def test_training_round_sends_no_private_model(tiny_training):
+    from engine.federation.inprocess import weightset_bytes
+    from engine.fl.methods import FedSMPersonalized
+    from engine.tasks import FUNDUS
+
+    method = FedSMPersonalized(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, personalization="apfl")
+    state = method.initial_state()
+    sent = method.site_instructions(state, 1, "a").weights
+    assert set(sent) == {"global", "selector"}
+    assert weightset_bytes(sent) > 0
+
+
+def test_unknown_personalization_is_rejected(tiny_training):
+    from engine.fl.methods import FedSMPersonalized
+    from engine.tasks import FUNDUS
+
+    with pytest.raises(ConfigError, match="personalization"):
+        FedSMPersonalized(FUNDUS, ["a", "b"], tiny_training, personalization="magic")

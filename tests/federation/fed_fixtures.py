@@ -1,0 +1,47 @@
+"""Shared fixtures for federation tests: tiny synthetic sites, certificates, a reference simulation.
+
+Imported by the test modules that use them (a conftest.py here would shadow ``tests/conftest.py``,
+which other test folders import by name).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+#: Federation runs in the end-to-end tests: FedSM, 3 sites, 2 training rounds, 32 px images.
+TRAINING = {"task": "fundus", "method": "fedsm", "rounds": 2, "seed": 0, "image_size": 32}
+
+
+@pytest.fixture(scope="session")
+def fed_data(tmp_path_factory) -> tuple[Path, list[Path]]:
+    from engine.data.synth import generate_federation
+
+    root = tmp_path_factory.mktemp("fed-data")
+    return root, generate_federation("fundus", 3, root, image_size=32, seed=0)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Path:
+    """A federation CA, the coordinator's certificate, and key pairs for site1..site4."""
+    from engine.security import certs
+
+    root = tmp_path_factory.mktemp("pki")
+    certs.create_ca(root)
+    certs.create_server_certificate(root, root, ["127.0.0.1"])
+    for k in range(1, 5):
+        certs.create_site_keys(f"site{k}", root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def simulated_supermodel(fed_data, tmp_path_factory) -> Path:
+    """``fedsm simulate`` with the settings of :data:`TRAINING` on the same data."""
+    from engine import api
+
+    data_dir, _ = fed_data
+    out = tmp_path_factory.mktemp("simulated")
+    api.simulate(out, task="fundus", sites=3, rounds=TRAINING["rounds"], methods=("fedsm",),
+                 image_size=TRAINING["image_size"], seed=TRAINING["seed"], device="cpu", data_dir=str(data_dir))
+    return out / "supermodel.safetensors"

@@ -1,0 +1,150 @@
+"""Loopback federations for end-to-end tests: configs, certificates, processes, events.
+
+Every process a test starts is registered with :class:`Processes` and stopped by its PID in
+the test's teardown (SIGTERM, then SIGKILL); Flower children stop with their parent (their
+launcher watches it). Everything listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine.federation.events import read_events
+from engine.federation.flower.processes import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Processes:
+    """Child processes of a test, stopped by PID at the end."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with log.open("ab") as out:
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL, as a crash would."""
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def fedsm(*args: str) -> list[str]:
+    return [sys.executable, "-m", "engine.cli.main", *args]
+
+
+def wait_for(path: Path, predicate: Callable[[dict[str, Any]], bool], timeout: float,
+             alive: list[subprocess.Popen[bytes]] = ()) -> dict[str, Any]:
+    """The first event in ``path`` that satisfies ``predicate``; fail after ``timeout`` or if a process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            for event in read_events(path):
+                if predicate(event):
+                    return event
+        for proc in alive:
+            if proc.poll() is not None:
+                raise AssertionError(f"{proc.args} exited with {proc.returncode} while waiting for an event in {path}")
+        time.sleep(0.2)
+    raise AssertionError(f"no matching event in {path} within {timeout} s; last events: "
+                         f"{[e['event'] for e in read_events(path)][-10:] if path.exists() else 'none'}")
+
+
+class LoopbackFederation:
+    """Files of a federation under ``root``: federation.toml, one site.toml per site, keys, enrolments."""
+
+    def __init__(self, root: Path, pki: Path, datalists: list[Path], sites: list[str], training: dict[str, Any],
+                 federation: dict[str, Any] | None = None, approved: dict[str, str] | None = None) -> None:
+        from engine.federation.flower.app_bundle import build_app_bundle
+        from engine.security.enrollment import enroll_site
+
+        self.root = root
+        self.port = free_port()
+        self.sites = sites
+        root.mkdir(parents=True, exist_ok=True)
+        fed = {"sites": sites, "address": f"127.0.0.1:{self.port}", "work_dir": "coord", "min_sites": len(sites),
+               "round_timeout": 240, "start_timeout": 240, "poll_interval": 0.1, **(federation or {})}
+        self.config = root / "federation.toml"
+        self.config.write_text(_toml({"federation": fed, "training": training,
+                                      "tls": {"ca_cert": str(pki / "ca.pem"), "server_cert": str(pki / "server.pem"),
+                                              "server_key": str(pki / "server.key")}}))
+        self.work = root / "coord"
+        app = build_app_bundle().hash
+        for k, site in enumerate(sites):
+            enroll_site(self.work / "enrolled", site, pki / f"{site}.pub.pem")
+            self.site_config(site).write_text(_toml({
+                "site": {"name": site, "coordinator": f"127.0.0.1:{self.port}", "task": "fundus",
+                         "datalist": str(datalists[k % len(datalists)]), "work_dir": f"work-{site}", "device": "cpu",
+                         "threads": 1, "poll_interval": 0.1},
+                "security": {"ca_cert": str(pki / "ca.pem"), "private_key": str(pki / f"{site}.key"),
+                             "approved_apps": [(approved or {}).get(site, app)]}}))
+
+    def site_config(self, site: str) -> Path:
+        return self.root / f"{site}.toml"
+
+    def site_events(self, site: str) -> Path:
+        return self.root / f"work-{site}" / "events.jsonl"
+
+    @property
+    def server_events(self) -> Path:
+        return self.work / "events.jsonl"
+
+    def start_site(self, procs: Processes, site: str) -> subprocess.Popen[bytes]:
+        return procs.start(fedsm("site", "--config", str(self.site_config(site)), "--json"),
+                           self.root / f"{site}.out")
+
+    def start_server(self, procs: Processes, resume: bool = False) -> subprocess.Popen[bytes]:
+        return procs.start(fedsm("server", "--config", str(self.config), *(["--resume"] if resume else [])),
+                           self.root / "server.out")
+
+
+def max_abs_difference(a_path: Path, b_path: Path) -> float:
+    """Largest absolute difference between the global, selector and personalized weights of two super models."""
+    from engine.bundle import load_bundle
+
+    a, b = load_bundle(a_path), load_bundle(b_path)
+    assert a.metadata.site_names == b.metadata.site_names
+    pairs = [(a.global_weights, b.global_weights), (a.selector_weights, b.selector_weights)]
+    pairs += [(a.personal_weights[s], b.personal_weights[s]) for s in a.metadata.site_names]
+    worst = 0.0
+    for x, y in pairs:
+        assert set(x) == set(y)
+        for key in x:
+            worst = max(worst, float((x[key].double() - y[key].double()).abs().max()))
+    return worst
+
+
+def _toml(doc: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for table, values in doc.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)

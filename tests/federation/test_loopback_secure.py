@@ -1,0 +1,243 @@
+"""End to end on 127.0.0.1 with TLS and site authentication: the coordinator and three ``fedsm site`` processes.
+
+One federation run (FedSM, 3 sites, 2 rounds + calibration) checks that
+
+- the final global, selector and personalized weights equal ``fedsm simulate`` with the same
+  seeds (max abs difference <= 1e-5): the transport is faithful;
+- every request a site sends to the coordinator (as seen at its front door) holds only weights
+  shaped like the models' parameters, counts and metrics: no image, no mask, no file path;
+- the Control and Runtime APIs cannot be reached through the address sites use, and the
+  SuperLink listens on the loopback interface only;
+- the sites' progress events carry the keys the desktop app reads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from fed_fixtures import TRAINING, fed_data, pki, simulated_supermodel  # noqa: F401
+from harness import LoopbackFederation, Processes, max_abs_difference, wait_for
+
+from engine.errors import CancelledError
+from engine.federation.config import load_federation_config
+from engine.federation.events import EventWriter, read_events
+from engine.federation.flower.processes import free_port
+
+SITES = ["site1", "site2", "site3"]
+SITE_EVENT_KEYS = {
+    "connected": {"coordinator"}, "received": {"round", "rounds", "method", "bytes", "contents"},
+    "round_start": {"round", "rounds", "method"}, "batch": {"round", "batch", "batches", "loss", "method"},
+    "metrics": {"round", "loss", "dice"}, "sent": {"round", "bytes", "contents"},
+    "round_end": {"round", "rounds", "wall_s"}, "finished": {"rounds"},
+}
+
+
+@pytest.mark.slow
+def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_path):  # noqa: F811
+    from engine.federation.flower.server import run_server
+
+    # Prepare
+    _, datalists = fed_data
+    superlink_port = free_port()
+    fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"superlink_port": superlink_port})
+    cfg = load_federation_config(fed.config)
+    sent_by_sites: list[tuple[str, bytes]] = []
+    stop = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            with EventWriter("server", path=fed.server_events) as events:
+                outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set,
+                                                record_fleet=lambda path, body: sent_by_sites.append((path, body)))
+        except BaseException as exc:  # reported by the test thread
+            outcome["error"] = exc
+
+    procs = Processes()
+    server = threading.Thread(target=serve, name="coordinator")
+    try:
+        # Execute
+        server.start()
+        sites = [fed.start_site(procs, s) for s in SITES]
+        wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, sites)
+        check_front_door_serves_only_the_fleet_api(fed.port, superlink_port, pki)
+        server.join(timeout=300)
+        assert not server.is_alive(), "the federation did not finish within 300 s"
+        assert "error" not in outcome, outcome.get("error")
+        for site in SITES:
+            wait_for(fed.site_events(site), lambda e: e["event"] == "finished", 60)
+    finally:
+        stop.set()
+        server.join(timeout=60)
+        procs.stop_all()
+
+    # Assert: the same weights as the simulation
+    assert max_abs_difference(fed.work / "supermodel.safetensors", simulated_supermodel) <= 1e-5
+    summary = outcome["summary"]
+    assert [r["answered"] for r in summary["rounds"]] == [SITES] * 3
+    # Assert: what left the sites
+    check_only_weights_counts_and_metrics_left(sent_by_sites, datalists)
+    # Assert: progress events as the desktop app reads them
+    for site in SITES:
+        events = read_events(fed.site_events(site))
+        kinds = {e["event"] for e in events}
+        assert set(SITE_EVENT_KEYS) <= kinds, kinds
+        for event in events:
+            assert {"event", "time", "source", "site"} <= set(event) and event["source"] == "site"
+            assert event["site"] == site
+            assert SITE_EVENT_KEYS.get(event["event"], set()) <= set(event), event
+        metrics = next(e for e in events if e["event"] == "metrics" and e["round"] == 1)
+        assert set(metrics["dice"]) == {"global", "personalized", "local"}
+        assert all(0.0 <= v <= 1.0 for v in metrics["dice"].values())
+        sent = next(e for e in events if e["event"] == "sent" and e["round"] == 1)
+        assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60}
+        assert sent["contents"]["num_examples"] > 0 and "loss_global" in sent["contents"]["metrics"]
+    server_events = read_events(fed.server_events)
+    assert [e["round"] for e in server_events if e["event"] == "checkpoint"] == [1, 2, 3]
+    assert all(e["left_out"] == {} for e in server_events if e["event"] == "round_end")
+
+
+def check_front_door_serves_only_the_fleet_api(port: int, superlink_port: int, pki_dir: Path) -> None:
+    """From the sites' side only /v1/fleet/* exists; the SuperLink itself listens on loopback only."""
+    from flwr.proto.control_pb2 import ListNodesRequest, StartRunRequest
+    from flwr.supercore.control import ControlHttpClient
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+    ca = str(pki_dir / "ca.pem")
+    with httpx.Client(verify=ca, timeout=10) as client:
+        for path in ("/v1/control/list-nodes", "/v1/control/start-run", "/v1/runtime/get-nodes",
+                     "/v1/runtime/acquire-task", "/docs", "/v1/fleet/../control/list-nodes"):
+            assert client.post(f"https://127.0.0.1:{port}{path}", content=b"").status_code == 404, path
+        assert client.get(f"https://127.0.0.1:{port}/v1/fleet/pull-messages").status_code == 404
+        # a fleet call is forwarded (and refused by the SuperLink: no valid node signature)
+        assert client.post(f"https://127.0.0.1:{port}/v1/fleet/pull-messages", content=b"").status_code != 404
+    # Flower's own control client, pointed at the sites' address, cannot start a run
+    control = ControlHttpClient.from_server_address(
+        f"127.0.0.1:{port}", False, (pki_dir / "ca.pem").read_bytes(),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+    with pytest.raises(httpx.HTTPStatusError, match="404"):
+        control.StartRun(StartRunRequest())
+    control.close()
+    # ... while on the coordinator's loopback interface the Control API answers
+    local = ControlHttpClient.from_server_address(
+        f"127.0.0.1:{superlink_port}", False, (pki_dir / "ca.pem").read_bytes(),
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+    assert len(local.ListNodes(ListNodesRequest()).nodes_info) == 3
+    local.close()
+    assert listening_addresses(superlink_port) == {"127.0.0.1"}
+
+
+def listening_addresses(port: int) -> set[str]:
+    """IPv4 addresses with a listening TCP socket on ``port`` (Linux /proc/net/tcp)."""
+    table = Path("/proc/net/tcp")
+    if not table.exists():
+        pytest.skip("needs /proc/net/tcp to check listening addresses")
+    found = set()
+    for line in table.read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, port_hex = local.split(":")
+        if int(port_hex, 16) == port and state == "0A":  # 0A = LISTEN
+            found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]], datalists: list[Path]) -> None:
+    """Rebuild every message the sites sent from the recorded requests and inspect it."""
+    from flwr.app import Message
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import PushObjectRequest
+    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    from engine.data.site_data import load_site
+    from engine.federation.flower import records
+    from engine.fl.selector_calibration import STAT_KEYS
+    from engine.models import build_segmentation_net, build_selector
+    from engine.tasks import get_task
+
+    assert requests, "nothing was recorded at the front door"
+    objects: dict[str, bytes] = {}
+    trees = []
+    for path, body in requests:
+        if path.endswith("/push-object"):
+            req = PushObjectRequest.FromString(body)
+            objects[req.object_id] = req.object_content
+        elif path.endswith("/push-messages"):
+            trees += list(PushMessagesRequest.FromString(body).message_object_trees)
+    template = {**build_segmentation_net(3, 2).state_dict(), **build_selector(3, 3, "gap").state_dict()}
+    shapes = {k: tuple(v.shape) for k, v in template.items()}
+    replies = 0
+    for tree in trees:
+        message = inflate_object_from_contents(
+            tree.object_id, {t.object_id: objects[t.object_id] for t in iterate_object_tree(tree)},
+            keep_object_contents=True)
+        assert isinstance(message, Message)
+        content = message.content
+        allowed = {records.INFO, records.METRICS, records.LAYOUT} | {
+            records.WEIGHTS_PREFIX + p for p in ("global", "personal", "selector", "selector_stats")}
+        assert set(content) <= allowed, set(content)
+        info = content.config_records[records.INFO]
+        assert set(info) <= {"site", "round"} and info["site"] in SITES
+        for key, value in content.metric_records.get(records.METRICS, {}).items():
+            assert isinstance(value, int | float), key
+        for key in content.array_records:
+            part = key[len(records.WEIGHTS_PREFIX):]
+            tensors = records.unpack(content.array_records[key], content.config_records[records.LAYOUT][part], part)
+            for name, tensor in tensors.items():
+                if part == "selector_stats":
+                    assert name in STAT_KEYS and tensor.dim() <= 2
+                else:
+                    assert shapes[name] == tuple(tensor.shape), (part, name)  # a model parameter, nothing else
+        replies += 1
+    assert replies >= 3 * 3  # three sites, three rounds (plus their answers to control queries)
+    # no byte of an image, a mask or a path in anything a site sent (weights are float32 too)
+    task = get_task("fundus")
+    needles = []
+    for datalist in datalists:
+        site = load_site(datalist, task, 32)
+        needles += [distinctive_window(site.train.images), distinctive_window(site.train.masks),
+                    str(datalist.parent).encode(), b"datalist", b".png"]
+        image_file = json.loads(datalist.read_text())["training"][0]["image"]
+        needles.append((datalist.parent / image_file).read_bytes()[100:164])
+    for path, body in requests:
+        for needle in needles:
+            assert needle not in body, (path, needle[:40])
+
+
+def distinctive_window(arrays: np.ndarray, size: int = 64) -> bytes:
+    """Bytes of ``size`` consecutive float32 values of one of ``arrays`` that no weight tensor holds by chance.
+
+    Image windows need many distinct values; mask windows (0/1) need at least two separate runs
+    of ones, a pattern a freshly initialised layer (a block of ones, then zeros) cannot show.
+    """
+    for array in arrays:
+        flat = array.astype(np.float32).ravel()
+        for start in range(0, len(flat) - size, size // 4):
+            window = flat[start:start + size]
+            rising_edges = int(((window[1:] > 0.5) & (window[:-1] <= 0.5)).sum())
+            if len(np.unique(window)) >= 16 or rising_edges >= 2:
+                return window.tobytes()
+    raise AssertionError("no distinctive window in these images or masks")
+
+
+@pytest.mark.slow
+def test_stop_flag_cancels_a_waiting_coordinator(pki, fed_data, tmp_path):  # noqa: F811
+    """No sites: the coordinator waits for them and stops cleanly (children stopped) when asked."""
+    from engine.federation.flower.server import run_server
+
+    _, datalists = fed_data
+    fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"start_timeout": 120})
+    stop = threading.Event()
+    timer = threading.Timer(8.0, stop.set)
+    timer.start()
+    with EventWriter("server", path=fed.server_events) as events, pytest.raises(CancelledError):
+        run_server(load_federation_config(fed.config), events=events, stop=stop.is_set)
+    timer.cancel()
+    assert any("waiting for site1, site2, site3" in e.get("message", "") for e in read_events(fed.server_events))
+    log = (fed.work / "superlink.log").read_text()
+    assert "Finished server process" in log  # the SuperLink child was stopped, not orphaned

@@ -1,0 +1,24 @@
+"""Helpers shared by test modules across folders.
+
+They live here rather than in ``conftest.py``: with ``tests/gui/conftest.py`` also loaded, a bare
+``from conftest import ...`` resolves to whichever conftest was imported last.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+#: Real public images with expert masks, beside the project (``../shared/data``); absent in a user's clone.
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def random_split(n: int, channels: int = 3, labels: int = 2, size: int = 32, seed: int = 0, shift: float = 0.0):
+    """Random images and masks as a ``SplitArrays``, brightness shifted by ``shift`` (a site's style)."""
+    from engine.data.site_data import SplitArrays
+
+    rng = np.random.default_rng(seed)
+    images = np.clip(rng.random((n, channels, size, size), dtype=np.float32) * 0.5 + shift, 0, 1).astype(np.float32)
+    masks = (rng.random((n, labels, size, size)) > 0.7).astype(np.float32)
+    return SplitArrays(images, masks, np.arange(n, dtype=np.int64))
