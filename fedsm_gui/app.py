@@ -98,13 +98,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "model on first start, about a minute on a CPU, then cached)")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"demo cache (default {default_cache_dir()})")
     parser.add_argument("--model", type=Path, default=None, help="super-model bundle (.safetensors) to load")
+    parser.add_argument("--quit-when-ready", action="store_true", help="for scripted checks: exit with status 0 "
+                        "once the demo (or PATH) is shown, 1 at the first error message")
     return parser.parse_args(argv)
+
+
+#: Overrides of :class:`engine.demo.DemoSettings` for ``--demo`` (tests use tiny ones).
+DEMO_SETTINGS: dict[str, Any] = {}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fedsm-gui``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
     qt_app = QApplication.instance() or QApplication([sys.argv[0]])
@@ -112,10 +119,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache_dir = (args.cache_dir or default_cache_dir()).expanduser()
     app = FedSMApp(default_config_dir(), demo_workdir=cache_dir / "site")
     app.window.show()
-    if args.model is not None:
-        app.segmentation.load_bundle(args.model)
-    if args.demo:
-        app.demo.start(cache_dir)
-    elif args.path:
-        app.studies.open_path(args.path)
-    return int(qt_app.exec())
+    on_ready = None
+    if args.quit_when_ready:
+        def finish(code: int, message: str) -> None:
+            print(message, flush=True)
+            qt_app.exit(code)
+
+        shown_error = app.window.show_error
+
+        def error_then_quit(title: str, message: str) -> None:
+            shown_error(title, message)
+            finish(1, f"error: {title}: {message}")
+
+        app.window.show_error = error_then_quit  # type: ignore[method-assign]
+        on_ready = finish
+
+    def begin() -> None:
+        if args.model is not None:
+            app.segmentation.load_bundle(args.model)
+        if args.demo:
+            app.demo.start(cache_dir, on_ready=on_ready and (lambda: on_ready(0, "demo ready")), **DEMO_SETTINGS)
+        elif args.path:
+            app.studies.open_path(args.path, then=on_ready and (lambda study: on_ready(0, f"opened {args.path}")))
+
+    # Started from inside the event loop, so that an exit requested by ``--quit-when-ready`` (even
+    # for an error found at once) ends this loop rather than being lost before it starts.
+    QTimer.singleShot(0, begin)
+    try:
+        return int(qt_app.exec())
+    finally:
+        app.window.close()  # emits ``closing``: leaves the federation and stops the workers
+        app.window.deleteLater()

@@ -3,8 +3,8 @@
 Each job gets a :class:`QtTaskHandle`, a ``QObject`` that lives on the GUI thread. The worker
 emits the handle's signals from the pool thread; because the handle (the receiver) lives on
 the GUI thread, Qt queues those signals and the callbacks run on the GUI thread, never on the
-worker. Progress is throttled to at most one event per ``PROGRESS_INTERVAL_S`` (the last one is
-always delivered), so a job reporting every batch cannot flood the event loop.
+worker. Progress is throttled to at most one event of each kind per ``PROGRESS_INTERVAL_S`` (the
+last one of each kind is always delivered), so a job reporting every batch cannot flood the event loop.
 """
 
 from __future__ import annotations
@@ -85,17 +85,29 @@ class _Runnable(QRunnable):
         super().__init__()
         self.job = job
         self.handle = handle
-        self._last_emit = 0.0
-        self._pending: dict[str, Any] | None = None
+        # Throttled per event kind: a job that relays a raw ``batch`` event and then a derived
+        # ``progress`` event for the same batch must not have the second always dropped.
+        self._last_emit: dict[Any, float] = {}
+        self._pending: dict[Any, dict[str, Any]] = {}
 
     def _progress(self, event: dict[str, Any]) -> None:
         now = time.monotonic()
-        if now - self._last_emit >= PROGRESS_INTERVAL_S:
-            self._last_emit = now
-            self._pending = None
+        kind = event.get("event")
+        if now - self._last_emit.get(kind, float("-inf")) >= PROGRESS_INTERVAL_S:
+            self._last_emit[kind] = now
+            self._pending.pop(kind, None)
             self.handle.progressed.emit(event)
         else:
-            self._pending = event
+            self._pending[kind] = event
+        # Deliver what other kinds have been holding back once their interval has passed.
+        for other in [k for k in self._pending if now - self._last_emit.get(k, float("-inf")) >= PROGRESS_INTERVAL_S]:
+            self._last_emit[other] = now
+            self.handle.progressed.emit(self._pending.pop(other))
+
+    def _flush(self) -> None:
+        for event in self._pending.values():
+            self.handle.progressed.emit(event)
+        self._pending.clear()
 
     def run(self) -> None:
         handle = self.handle
@@ -104,12 +116,10 @@ class _Runnable(QRunnable):
                 raise CancelledError("cancelled before it started")
             result = self.job(self._progress, lambda: handle.cancelled)
         except BaseException as exc:  # every failure is delivered to the GUI thread as data
-            if self._pending is not None:
-                handle.progressed.emit(self._pending)
+            self._flush()
             handle.failed.emit(exc)
             return
-        if self._pending is not None:
-            handle.progressed.emit(self._pending)
+        self._flush()
         handle.succeeded.emit(result)
 
 

@@ -43,6 +43,35 @@ def test_jobs_run_off_the_gui_thread_and_report_on_it(qtbot):
     assert runner.shutdown(1000)
 
 
+def test_throttling_is_per_event_kind_so_a_derived_event_is_never_starved(qtbot):
+    """A relay that sends a raw ``batch`` and then a derived ``progress`` for every batch (the
+    demo's training relay does) must deliver progress events while the job runs, not only the last."""
+    runner = QtTaskRunner()
+    progress: list[dict] = []
+    release = threading.Event()
+
+    def job(report, cancel):
+        for i in range(100):
+            report({"event": "batch", "batch": i})
+            report({"event": "progress", "done": i + 1, "total": 100})
+            time.sleep(0.002)
+        release.wait(10)
+        return None
+
+    handle = runner.submit(job, on_done=lambda _r: None, on_error=pytest.fail, on_progress=progress.append)
+    # Progress arrives before the job finishes (the job waits for us), with a real total.
+    qtbot.waitUntil(lambda: any(e.get("event") == "progress" and e["total"] == 100 for e in progress),
+                    timeout=10_000)
+    assert not handle.done
+    release.set()
+    qtbot.waitUntil(lambda: handle.done, timeout=10_000)
+    kinds = [e["event"] for e in progress]
+    assert kinds.count("progress") >= 2 and kinds.count("batch") >= 1
+    assert [e for e in progress if e["event"] == "progress"][-1]["done"] == 100
+    assert len(progress) < 200  # still throttled
+    assert runner.shutdown(1000)
+
+
 def test_errors_and_cancellation_arrive_as_data(qtbot):
     runner = QtTaskRunner()
     errors: list[BaseException] = []

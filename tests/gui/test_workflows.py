@@ -142,3 +142,48 @@ def test_check_data_lists_every_file_with_its_status(fedsm_app, qtbot, tiny_demo
     bad = [name for name, status in statuses.items() if status == "problem"]
     assert len(bad) == 1 and broken.name in bad[0]
     assert "1 with problems" in panel.check_summary.text()
+
+
+def test_first_demo_start_trains_with_an_advancing_progress_bar(fedsm_app, qtbot, tmp_path):
+    """Not cached yet: the busy bar shows real training progress (a total and rising values) and
+    then the demo opens with its overlay."""
+    app = fedsm_app
+    shown: list[tuple[str | None, int, int]] = []
+    original = app.window.set_busy
+
+    def recording(message, done=0, total=0):
+        shown.append((message, done, total))
+        original(message, done, total)
+
+    app.window.set_busy = recording
+    ready = []
+    app.demo.start(tmp_path / "fresh-demo", on_ready=lambda: ready.append(True), **TINY_DEMO)
+    qtbot.waitUntil(lambda: ready == [True] or app.window.banner.isVisibleTo(app.window), timeout=WAIT_MS)
+    assert ready == [True], app.window.banner.label.text()
+    training = [(done, total) for message, done, total in shown
+                if message and message.startswith("Training the demo super model") and total > 0]
+    assert len(training) >= 2, shown
+    assert training[-1][0] > training[0][0]  # the bar moved
+    assert shown[-1][0] is None  # and was hidden once the demo was ready
+    assert app.segmentation_state.bundle_path is not None
+
+
+def test_the_fedsm_gui_entry_point_opens_the_demo_and_reports_errors(qtbot, tiny_demo, tmp_path, monkeypatch,
+                                                                     capsys):
+    """``fedsm-gui --demo`` (README's first command) runs to a shown demo; a missing file is an
+    error in the window, not a crash (``--quit-when-ready`` turns both into exit statuses)."""
+    from fedsm_gui import app as app_module
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr(app_module, "DEMO_SETTINGS", dict(TINY_DEMO))
+    assert app_module.main(["--demo", "--cache-dir", tiny_demo["cache_dir"], "--quit-when-ready"]) == 0
+    assert "demo ready" in capsys.readouterr().out
+    assert app_module.main([str(tmp_path / "missing.png"), "--quit-when-ready"]) == 1
+    assert "no such file or folder" in capsys.readouterr().out
+
+
+def test_fedsm_gui_is_an_installed_command():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert pyproject["project"]["gui-scripts"]["fedsm-gui"] == "fedsm_gui.app:main"
