@@ -67,7 +67,7 @@ def volume_shot(app, cache_dir: Path, out: Path) -> None:
     _wait(lambda: app.segmentation_state.metadata is not None, 300, "the prostate bundle")
     app.segmentation.run()
     _wait(lambda: app.segmentation_state.status != "running", 300, "the segmentation")
-    app.viewer_state.set_cursor((128, 150, 12))
+    app.viewer_state.set_cursor((128, 124, 12))  # through the gland (RAS: j = 255 - drawn row)
     app.window.tabs.setCurrentIndex(0)
     _grab(app, out / "volume_view.png")
 

@@ -93,7 +93,7 @@ from engine.io.files import write_label_png, write_nifti, write_rgb_png
 from engine.tasks import get_task
 
 #: Bumped whenever the rendering changes, so existing data is no longer taken as a match.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 MIN_SITES, MAX_SITES = 2, 12
 DEFAULT_SLICES = 12
 #: Through-plane spacing of prostate volumes (mm) and the in-plane field of view (mm).
@@ -488,7 +488,9 @@ def render_prostate(rng: np.random.Generator, profile: SiteProfile, size: int, s
     -------
     volume, label, anatomy
         ``float32 (S, S, D)`` volume in the site's raw (whole) units, ``uint8 (S, S, D)`` 0/1 gland label
-        (empty in the top and bottom slices) and the true gland geometry.
+        (empty in the top and bottom slices), both in RAS+ canonical voxel order (axis 0 towards the
+        patient's right, axis 1 anterior, axis 2 superior; :func:`prostate_affine` is diagonal), and
+        the true gland geometry in drawing coordinates (rows, cols: see :func:`_image_to_ras`).
     """
     rows, cols = _grid(size)
     r3, c3 = rows[..., None], cols[..., None]
@@ -548,7 +550,14 @@ def render_prostate(rng: np.random.Generator, profile: SiteProfile, size: int, s
     s = 1.0 + profile.outer
     lq = np.sqrt(((r3 - py) / (pry * s)) ** 2 + ((c3 - px) / (prx * s)) ** 2 + ((z - pz) / (prz * s)) ** 2)
     label = (lq <= 1.0).astype(np.uint8)
-    return volume, label, anat
+    return _image_to_ras(volume), _image_to_ras(label), anat
+
+
+def _image_to_ras(array: np.ndarray) -> np.ndarray:
+    """``(rows, cols, z)`` as drawn (anterior up, patient's right on the left, as a radiologist
+    reads an axial slice) to RAS+ canonical ``(x, y, z)``: index 0 grows to the patient's right,
+    index 1 anteriorly; so a diagonal affine places the anatomy where it belongs."""
+    return np.ascontiguousarray(array[::-1, ::-1, :].transpose(1, 0, 2))
 
 
 def prostate_affine(size: int) -> np.ndarray:

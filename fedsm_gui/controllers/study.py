@@ -15,7 +15,7 @@ from fedsm_gui.controllers.runners import TaskHandle, TaskRunner
 from fedsm_gui.models.display import Slicer
 from fedsm_gui.models.overlay import REFERENCE_LAYER, OverlayState
 from fedsm_gui.models.recent import RecentFiles
-from fedsm_gui.models.viewer import ViewerState
+from fedsm_gui.models.viewer import ViewerState, WindowDefaults, window_defaults
 from fedsm_gui.views.bases import MainView
 
 log = logging.getLogger(__name__)
@@ -91,9 +91,12 @@ class StudyController:
     def _read(self, path: Path, series_uid: str | None, then: Callable[[Study], None] | None) -> None:
         self.main.set_busy(f"Opening {path.name} …")
 
-        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[Study, Slicer]:
+        def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]
+                ) -> tuple[Study, Slicer, WindowDefaults | None]:
             study = self.api.open_study(path, series_uid=series_uid, progress=progress, cancel=cancel)
-            return study, Slicer(study.array, study.kind == "volume")  # display copies, off the GUI thread
+            # Display copies and window percentiles, off the GUI thread.
+            defaults = window_defaults(study) if study.kind == "volume" else None
+            return study, Slicer(study.array, study.kind == "volume"), defaults
 
         self.job = self.tasks.submit(job, on_done=lambda result: self._opened(path, *result, then),
                                      on_error=lambda exc: self._failed("Cannot open", exc),
@@ -104,18 +107,19 @@ class StudyController:
         if pair is not None:
             self.main.set_busy(event.get("message") or "Opening …", *pair)
 
-    def _opened(self, path: Path, study: Study, slicer: Slicer, then: Callable[[Study], None] | None) -> None:
+    def _opened(self, path: Path, study: Study, slicer: Slicer, defaults: WindowDefaults | None,
+                then: Callable[[Study], None] | None) -> None:
         self.main.set_busy(None)
-        self.show_study(study, slicer)
+        self.show_study(study, slicer, defaults)
         self.recent.add(path)
         self.main.set_recent(self.recent.paths)
         if then is not None:
             then(study)
 
-    def show_study(self, study: Study, slicer: Slicer | None = None) -> None:
+    def show_study(self, study: Study, slicer: Slicer | None = None, defaults: WindowDefaults | None = None) -> None:
         """Put ``study`` on screen (no file involved: tests and benchmarks use it directly)."""
         self.overlays.clear()
-        self.viewer.set_study(study, slicer)
+        self.viewer.set_study(study, slicer, defaults)
         name = study.source.name if study.source is not None else "study"
         self.main.set_title(f"{name} — {study.kind}, {' × '.join(map(str, study.shape))}"
                             + (f", {study.modality}" if study.modality else ""))

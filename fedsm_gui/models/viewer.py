@@ -10,7 +10,6 @@ from fedsm_gui.models.display import (
     SLICE_AXIS,
     VOLUME_VIEWS,
     Slicer,
-    auto_window,
     window_presets,
 )
 from fedsm_gui.models.signal import Signal
@@ -26,6 +25,20 @@ class ViewTransform:
     zoom: float = 1.0
     pan_x: float = 0.0
     pan_y: float = 0.0
+
+
+WindowDefaults = tuple[dict[str, tuple[float, float]], tuple[float, float]]
+
+
+def window_defaults(study: Study) -> WindowDefaults:
+    """A volume's window presets and its initial window (the file's default, else auto 1–99 %).
+
+    Percentiles over a 512 × 512 × 300 volume take ~0.1 s, so the study controller computes
+    this in the worker that opened the study, not on the GUI thread.
+    """
+    presets = window_presets(study.modality, study.array, study.window)
+    center, width = study.window if study.window is not None else presets["Auto (1–99 %)"]
+    return presets, (float(center), max(float(width), 1e-6))
 
 
 class ViewerState:
@@ -66,11 +79,12 @@ class ViewerState:
             return ()
         return (PHOTO_VIEW,) if self.study.kind == "photo" else VOLUME_VIEWS
 
-    def set_study(self, study: Study | None, slicer: Slicer | None = None) -> None:
+    def set_study(self, study: Study | None, slicer: Slicer | None = None,
+                  defaults: WindowDefaults | None = None) -> None:
         """Show ``study``: cursor at the centre, its default window, every view fitted.
 
-        ``slicer`` serves its slices (built here when not given; build it in a worker for big
-        volumes).
+        ``slicer`` serves its slices and ``defaults`` (:func:`window_defaults`) are its window
+        presets; both are computed here when not given (compute them in a worker for big volumes).
         """
         self.study = study
         self.slicer = None if study is None else (slicer or Slicer(study.array, study.kind == "volume"))
@@ -78,9 +92,7 @@ class ViewerState:
         self.brightness, self.contrast, self.green_only = 0.0, 1.0, False
         if study is not None and study.kind == "volume":
             self.cursor = [s // 2 for s in study.shape]
-            self.presets = window_presets(study.modality, study.array, study.window)
-            self.window = study.window if study.window is not None else auto_window(study.array)
-            self.window = (float(self.window[0]), max(float(self.window[1]), 1e-6))
+            self.presets, self.window = defaults if defaults is not None else window_defaults(study)
         else:
             self.cursor = [0, 0, 0]
             self.presets = {}

@@ -313,3 +313,20 @@ def test_documented_profile_table_matches_the_code(task, profiles):
         expected = [p.cases, *colour, p.brightness, p.gamma, p.blur, p.fov, p.jitter, p.noise, p.bias,
                     p.outer, p.inner]
         assert np.allclose(row[1:], expected), (row, p)
+
+
+def test_prostate_volumes_are_in_ras_order_so_a_diagonal_affine_places_the_anatomy():
+    """Axis 0 runs left-right (the pelvis is wider that way, the femoral heads lie on it), axis 1
+    posterior-anterior: the drawing's row (anterior up) and column (patient's right on the left)
+    land on RAS+ indices as a radiologist would read them."""
+    size = 64
+    rng = np.random.default_rng([3, 0, 1, 0])
+    volume, label, anat = render_prostate(rng, PROSTATE_PROFILES[0], size)
+    middle = volume[:, :, volume.shape[2] // 2]
+    body = middle > 0.2 * middle.max()
+    assert body.any(axis=1).sum() > body.any(axis=0).sum() + 5  # wider along x than along y
+    row_c, col_c, _ = anat.centre
+    to_index = lambda c: (c + 1.0) / 2.0 * size - 0.5  # noqa: E731  drawing coordinate -> pixel
+    i, j, _ = np.argwhere(label).mean(axis=0)
+    assert abs(i - (size - 1 - to_index(col_c))) < 1.0  # columns grow to the patient's left = -x
+    assert abs(j - (size - 1 - to_index(row_c))) < 1.0  # rows grow posteriorly = -y

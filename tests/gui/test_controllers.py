@@ -152,6 +152,34 @@ def test_study_controller_asks_which_series(tmp_path, volume_study):
     assert api.open_study.call_count == 1  # cancelled: nothing opened
 
 
+def test_study_controller_computes_window_presets_in_the_job_not_on_the_gui_side(tmp_path, volume_study,
+                                                                                 monkeypatch):
+    """Percentiles over a big volume stall the GUI thread for ~0.1 s: the open job computes them,
+    and showing the study uses them without computing them again."""
+    import fedsm_gui.models.viewer as viewer_module
+
+    calls: list[str] = []
+    real = viewer_module.window_presets
+
+    def recording(*args, **kwargs):
+        calls.append("computed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(viewer_module, "window_presets", recording)
+    api = SimpleNamespace(open_study=MagicMock(return_value=volume_study))
+    t = _studies(api, tmp_path)
+    shown = []
+    original_set_study = t.viewer.set_study
+    t.viewer.set_study = lambda study, slicer=None, defaults=None: (shown.append(defaults),
+                                                                      original_set_study(study, slicer, defaults))
+    target = tmp_path / "volume.nii.gz"
+    target.write_bytes(b"x")
+    t.ctrl.open_path(target)
+    assert calls == ["computed"]  # once, inside the job
+    assert shown[0] is not None and "Auto (1–99 %)" in shown[0][0]
+    assert t.viewer.presets == shown[0][0] and t.viewer.window == shown[0][1]
+
+
 def test_study_controller_shows_errors_in_the_window(tmp_path, volume_study):
     broken = tmp_path / "broken.nii.gz"
     broken.write_bytes(b"garbage")
