@@ -343,6 +343,20 @@ def test_federation_controller_joins_the_demo_site_and_shows_events(tmp_path):
     assert t.view.set_status.call_args.args[2] is False  # Join enabled again
 
 
+def test_federation_controller_shows_a_lost_connection_and_the_reconnect_as_such(tmp_path):
+    api = SimpleNamespace(demo_site_command=MagicMock(return_value=["python", "-m", "demo"]))
+    t = _federation(api, tmp_path)
+    t.ctrl.join()
+    head = '"time": 1, "source": "site", "site": "site1"'
+    t.process.on_line('{"event": "connected", ' + head + ', "coordinator": "x"}')
+    t.process.on_line('{"event": "disconnected", ' + head + ', "reason": "network down", "reconnecting": true}')
+    status, text, running = t.view.set_status.call_args.args
+    assert status == "reconnecting" and "reconnecting" in text and running  # not "stopped", still Leave-able
+    t.process.on_line('{"event": "connected", ' + head + ', "coordinator": "x"}')
+    status, text, _ = t.view.set_status.call_args.args
+    assert status == "connected" and "Connected to x" in text and "reconnected 1×" in text
+
+
 def test_federation_controller_uses_a_site_config_when_loaded(tmp_path):
     config = {"name": "hospital-a", "task": "prostate", "coordinator": "10.0.0.1:9092", "datalist": "/d/datalist.json",
               "ca_cert": "/d/ca.pem", "private_key": "/d/site.key", "approved_apps": ["ab" * 32]}
