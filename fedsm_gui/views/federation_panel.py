@@ -59,6 +59,8 @@ class FederationPanel(QWidget):
         setup = QGroupBox("Site setup")
         form = QFormLayout(setup)
         self.fields: dict[str, QLineEdit] = {}
+        # Everything that edits the setup: locked while the site runs (its config is in use).
+        self.setup_buttons: list[QPushButton] = []
         for name, label, browse in _FIELDS:
             edit = QLineEdit()
             edit.setObjectName(f"field-{name}")
@@ -72,6 +74,7 @@ class FederationPanel(QWidget):
             button = QPushButton("…")
             button.setFixedWidth(28)
             button.clicked.connect(lambda _=False, n=name, f=browse: self._browse(n, f))
+            self.setup_buttons.append(button)
             row.addWidget(button)
             form.addRow(label, row)
         self.task = QComboBox()
@@ -97,6 +100,7 @@ class FederationPanel(QWidget):
         self.config_button.clicked.connect(self._browse_config)
         self.save_button = QPushButton("Save site.toml…")
         self.save_button.clicked.connect(self._save_config)
+        self.setup_buttons += [self.config_button, self.save_button, self.use_hash]
         buttons = QHBoxLayout()
         buttons.addWidget(self.config_button)
         buttons.addWidget(self.save_button)
@@ -246,7 +250,8 @@ class FederationPanel(QWidget):
         for edit in self.fields.values():
             edit.setReadOnly(running)
         self.task.setEnabled(not running)
-        self.save_button.setEnabled(not running)
+        for button in self.setup_buttons:
+            button.setEnabled(not running)
 
     def set_progress(self, round_: int, rounds: int, batch: int, batches: int) -> None:
         self.round_label.setText(f"Round {round_ or '—'} of {rounds or '—'}")

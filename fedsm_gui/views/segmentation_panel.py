@@ -50,7 +50,7 @@ class SegmentationPanel(QGroupBox):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__("Segmentation (FedSM super model)", parent)
         self.load_button = QPushButton("Load super model…")
-        self.load_button.clicked.connect(self._browse_bundle)
+        self.load_button.clicked.connect(self.browse_bundle)
         self.bundle_label = QLabel()
         self.bundle_label.setObjectName("bundle-label")
         self.bundle_label.setWordWrap(True)
@@ -96,7 +96,7 @@ class SegmentationPanel(QGroupBox):
         self.cdr_label.setObjectName("cdr-label")
         self.export_button = QPushButton("Export mask…")
         self.export_button.setObjectName("export-button")
-        self.export_button.clicked.connect(self._browse_export)
+        self.export_button.clicked.connect(self.browse_export)
 
         gamma_row = QHBoxLayout()
         gamma_row.addWidget(self.gamma, 1)
@@ -131,12 +131,12 @@ class SegmentationPanel(QGroupBox):
         self._export_name = "mask.nii.gz"
 
     # --- dialogs -------------------------------------------------------------------------
-    def _browse_bundle(self) -> None:
+    def browse_bundle(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Load super model", "", "FedSM bundle (*.safetensors)")
         if path:
             self.load_bundle_requested.emit(path)
 
-    def _browse_export(self) -> None:
+    def browse_export(self) -> None:
         path, chosen = QFileDialog.getSaveFileName(self, "Export mask", self._export_name, EXPORT_FILTERS)
         if path:
             suffix = {"NIfTI": ".nii.gz", "PNG": ".png", "DICOM": ".dcm"}

@@ -207,3 +207,15 @@ def test_approving_this_installations_app_hash(qtbot):
         panel.use_hash.click()
     assert edited.args == ["app_hash", "sha256:" + "ab" * 32]
     assert panel.fields["app_hash"].text() == "sha256:" + "ab" * 32
+
+
+def test_site_setup_is_locked_while_the_site_runs(qtbot):
+    panel = FederationPanel()
+    qtbot.addWidget(panel)
+    panel.set_status("connected", "Connected", True)
+    assert all(edit.isReadOnly() for edit in panel.fields.values())
+    assert panel.setup_buttons and not any(b.isEnabled() for b in panel.setup_buttons)
+    assert not panel.task.isEnabled() and not panel.join_button.isEnabled() and panel.leave_button.isEnabled()
+    panel.set_status("stopped", "Stopped", False)
+    assert not any(edit.isReadOnly() for edit in panel.fields.values())
+    assert all(b.isEnabled() for b in panel.setup_buttons)
