@@ -10,8 +10,10 @@ For every entry of every section of each datalist:
 - no image is listed twice (a case in two splits leaks test data into training).
 
 Warnings do not fail the check: an empty mask, a fundus mask without cup, a cup outside its disc,
-drishti soft maps with in-between greys. The report is plain JSON-able data (see
-:func:`validate_datalists`); ``ok`` is true when no entry and no datalist has a problem.
+drishti soft maps with in-between greys. A file a reader fails on with anything but a
+:class:`~engine.errors.DataError` (a reader bug) is a problem of its entry too, its traceback
+logged, so one odd file never stops the check of the others. The report is plain JSON-able data
+(see :func:`validate_datalists`); ``ok`` is true when no entry and no datalist has a problem.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def _check_entry(entry: dict[str, Any], task: str | None, convention: LabelConve
         if not label.exists():
             row["problems"].append(f"mask: {label}: not found")
         return row, None
+    except Exception as exc:  # a reader bug must not stop the check of every other file
+        row["problems"].append(f"image: {_unexpected(image, exc)}")
+        return row, None
     row["kind"] = study.kind
     row["shape"] = [int(n) for n in study.shape]
     if study.kind == "volume":
@@ -64,6 +69,9 @@ def _check_entry(entry: dict[str, Any], task: str | None, convention: LabelConve
         reading = read_mask(label, study, convention, allow_partial=False)
     except DataError as exc:
         row["problems"].append(f"mask: {exc}")
+        return row, study.kind
+    except Exception as exc:  # a reader bug must not stop the check of every other file
+        row["problems"].append(f"mask: {_unexpected(label, exc)}")
         return row, study.kind
     labels = reading.labels.array
     row["values"] = sorted({v for file_values in reading.raw_values for v in file_values})
@@ -89,6 +97,13 @@ def _check_entry(entry: dict[str, Any], task: str | None, convention: LabelConve
     if convention is not None and convention.name == "drishti":
         _check_drishti_nesting(convention, label, row)
     return row, study.kind
+
+
+def _unexpected(path: Path, exc: Exception) -> str:
+    """A problem line for an error the readers did not turn into a DataError; the traceback goes to the log."""
+    log.error("%s: unexpected %s while reading it", path, type(exc).__name__, exc_info=exc)
+    return (f"{path}: cannot be read ({type(exc).__name__}: {exc}); check the file or copy it again, and report this "
+            "message to the FedSM developers (the reader should have explained it)")
 
 
 def _check_drishti_nesting(convention: LabelConvention, label: Path, row: dict[str, Any]) -> None:

@@ -220,12 +220,12 @@ def _planes_of_source(ds: pydicom.Dataset, where: str) -> list[PlaneGeometry]:
 
 def _read_header(path: Path) -> pydicom.Dataset:
     import pydicom
-    from pydicom.errors import InvalidDicomError
 
     try:
         return pydicom.dcmread(path, stop_before_pixels=True)
-    except (InvalidDicomError, OSError, ValueError, EOFError) as exc:
-        raise DataError(f"{path}: cannot read the DICOM header ({exc}); check the source series") from None
+    except Exception as exc:  # pydicom raises struct.error, EOFError, ValueError, ... on damaged files
+        raise DataError(f"{path}: cannot read the DICOM header ({type(exc).__name__}: {exc}); the file is missing, "
+                        "damaged or truncated — copy it again") from None
 
 
 def _check_study(study: Study, labels: LabelMap | None = None) -> None:
@@ -454,6 +454,61 @@ def _source_planes(study: Study) -> dict[str, PlaneGeometry]:
     return planes
 
 
+def _check_pixel_data(seg: Any, frames: int, path: Path) -> None:
+    """Refuse a SEG without pixel data, or whose uncompressed pixel data is shorter than its frames need.
+
+    pydicom reads a value cut short by the end of the file without complaint, so a truncated SEG
+    would otherwise fail deep in highdicom's frame decoding, or only for its last frames.
+    """
+    try:
+        data = seg.get("PixelData")
+        compressed = bool(seg.file_meta.TransferSyntaxUID.is_compressed)
+        bits = int(seg.BitsAllocated) * int(seg.get("SamplesPerPixel", 1) or 1)
+        needed = (frames * int(seg.Rows) * int(seg.Columns) * bits + 7) // 8
+    except Exception as exc:  # any attribute of a damaged header can fail to parse
+        raise DataError(f"{path}: the SEG header is damaged ({type(exc).__name__}: {exc}); export or copy the SEG "
+                        "again") from None
+    if not data:
+        raise DataError(f"{path}: the SEG has no pixel data; the file is truncated or damaged — export or copy it "
+                        "again")
+    if not compressed and len(data) < needed:
+        raise DataError(f"{path}: the SEG's pixel data is truncated ({len(data)} of the {needed} bytes its {frames} "
+                        "frames need); export or copy the SEG again")
+
+
+def _read_frame(seg: Any, frame: int, frames: int, seg_type: str, sources: Callable[[], dict[str, PlaneGeometry]],
+                study: Study, path: Path) -> tuple[tuple[Any, Any, Any], np.ndarray, int]:
+    """Where a SEG frame lies in the study, its stored values and (not LABELMAP) its segment number.
+
+    Raises
+    ------
+    DataError
+        Naming the file and the frame, when the frame lies off the study's grid or any part of it
+        cannot be decoded (a damaged or truncated SEG).
+    """
+    try:
+        plane = _frame_plane(seg, frame, sources, path)
+        try:
+            index = frame_voxel_index(plane, study.affine, study.shape)
+        except _OffGrid as exc:
+            raise DataError(
+                f"{path}: frame {frame + 1} ({plane.describe()}) does not match the study's geometry "
+                f"({describe_study_geometry(study)}): {exc}; open the image series the SEG was made on"
+            ) from None
+        stored = np.asarray(seg.get_stored_frame(frame, as_index=True))
+        if seg_type == "LABELMAP":
+            return index, stored, 0
+        number = _frame_attribute(seg, frame, "SegmentIdentificationSequence", "ReferencedSegmentNumber")
+        if number is None:
+            raise DataError(f"{path}: frame {frame + 1} does not say which segment it belongs to")
+        return index, stored, int(number)
+    except DataError:
+        raise
+    except Exception as exc:  # highdicom and pydicom raise many types on damaged frames and functional groups
+        raise DataError(f"{path}: frame {frame + 1} of {frames} cannot be read ({type(exc).__name__}: {exc}); the "
+                        "SEG is damaged or truncated — export or copy it again") from None
+
+
 def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
     """Read a DICOM SEG into a label map aligned voxel for voxel with ``study``.
 
@@ -474,32 +529,52 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
     Raises
     ------
     DataError
-        When the file is not a readable SEG, has segment numbers above 255, or a frame does not
-        lie on the study's voxel grid (both geometries in the message).
+        When the file is not a readable SEG (damaged or truncated: the message names the file and,
+        when one frame is the trouble, the frame), has segment numbers above 255, or a frame does
+        not lie on the study's voxel grid (both geometries in the message).
     """
     import highdicom as hd
+
+    from engine.io.dicom_series import SEG_SOP_CLASS, read_header
 
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: file not found")
     if study.kind != "volume":
         raise DataError(f"{p}: a DICOM SEG segments a volume, but {study.source or 'the study'} is a 2D photo")
-    header = _read_header(p)
-    if header.get("Modality") != "SEG":
+    # dicom_series' header reader also refuses a file cut short (pydicom reads it without complaint).
+    header = read_header(p)
+    if header is None:
+        raise DataError(f"{p}: not a DICOM file; choose the SEG file")
+    try:
+        modality = header.get("Modality")
+        sop_classes = {str(header.get("SOPClassUID", "")), str(header.file_meta.get("MediaStorageSOPClassUID", ""))}
+    except Exception as exc:  # an unparsable value in a damaged header
+        raise DataError(f"{p}: the DICOM header is damaged ({type(exc).__name__}: {exc}); copy the SEG again") from None
+    if modality is None and SEG_SOP_CLASS in sop_classes:
+        raise DataError(f"{p}: is a DICOM SEG whose header stops before its Modality; the file is truncated — export "
+                        "or copy it again")
+    if modality != "SEG":
         raise DataError(
-            f"{p}: is a DICOM {header.get('Modality', 'file without modality')}, not a segmentation (SEG); "
-            "choose the SEG file"
+            f"{p}: is a DICOM {modality or 'file without modality'}, not a segmentation (SEG); choose the SEG file"
         )
     try:
         seg = hd.seg.segread(p)
     except Exception as exc:  # highdicom raises many types for damaged or unusual objects
-        raise DataError(f"{p}: not a readable DICOM SEG ({exc})") from None
-
-    seg_type = str(seg.SegmentationType)
-    names = {int(d.SegmentNumber): str(d.get("SegmentLabel", f"segment {int(d.SegmentNumber)}"))
-             for d in seg.SegmentSequence}
+        raise DataError(f"{p}: not a readable DICOM SEG ({type(exc).__name__}: {exc}); the file is damaged, "
+                        "truncated or not a segmentation — export or copy it again") from None
+    try:
+        seg_type = str(seg.SegmentationType)
+        names = {int(d.SegmentNumber): str(d.get("SegmentLabel", f"segment {int(d.SegmentNumber)}"))
+                 for d in seg.SegmentSequence}
+        frames = int(seg.get("NumberOfFrames", 1))
+        max_fraction = float(seg.get("MaximumFractionalValue", 1) or 1)
+    except Exception as exc:  # any attribute of a damaged header can fail to parse
+        raise DataError(f"{p}: the SEG header is damaged ({type(exc).__name__}: {exc}); export or copy the SEG "
+                        "again") from None
     if names and max(names) > 255:
         raise DataError(f"{p}: has segment numbers up to {max(names)}; FedSM label maps hold values up to 255")
+    _check_pixel_data(seg, frames, p)
     if study.dicom_files:
         own = _read_header(Path(study.dicom_files[0])).get("FrameOfReferenceUID")
         if own and seg.get("FrameOfReferenceUID") and own != seg.FrameOfReferenceUID:
@@ -513,20 +588,10 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
             source_planes.update(_source_planes(study))
         return source_planes
 
-    max_fraction = float(seg.get("MaximumFractionalValue", 1) or 1)
-
     out = np.zeros(study.shape, dtype=np.uint8)
     overlaps = 0
-    for frame in range(int(seg.get("NumberOfFrames", 1))):
-        plane = _frame_plane(seg, frame, sources, p)
-        try:
-            index = frame_voxel_index(plane, study.affine, study.shape)
-        except _OffGrid as exc:
-            raise DataError(
-                f"{p}: frame {frame + 1} ({plane.describe()}) does not match the study's geometry "
-                f"({describe_study_geometry(study)}): {exc}; open the image series the SEG was made on"
-            ) from None
-        stored = np.asarray(seg.get_stored_frame(frame, as_index=True))
+    for frame in range(frames):
+        index, stored, number = _read_frame(seg, frame, frames, seg_type, sources, study, p)
         if seg_type == "LABELMAP":
             values = stored.astype(np.int64)
             if values.max(initial=0) > 255:
@@ -535,14 +600,11 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
             region = np.where(values > 0, values, region).astype(np.uint8)
             out[index] = region
             continue
-        number = _frame_attribute(seg, frame, "SegmentIdentificationSequence", "ReferencedSegmentNumber")
-        if number is None:
-            raise DataError(f"{p}: frame {frame + 1} does not say which segment it belongs to")
         inside = stored > max_fraction / 2 if seg_type == "FRACTIONAL" else stored > 0
         region = out[index]
-        overlaps += int(np.count_nonzero(inside & (region > 0) & (region != int(number))))
+        overlaps += int(np.count_nonzero(inside & (region > 0) & (region != number)))
         # Higher segment numbers win where segments overlap, whatever the frame order.
-        out[index] = np.where(inside & (region < int(number)), np.uint8(number), region)
+        out[index] = np.where(inside & (region < number), np.uint8(number), region)
     if overlaps:
         log.warning("%s: segments overlap in %d voxels; the higher segment number was kept", p, overlaps)
     return LabelMap(array=out, names=names, source=p)

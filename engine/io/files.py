@@ -88,28 +88,24 @@ def write_label_png(path: PathLike, labels: np.ndarray) -> None:
 
 
 def read_nifti(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
-    """Read a 3D NIfTI volume.
+    """Read a 3D NIfTI volume through :func:`engine.io.volumes.read_nifti_volume`.
 
     Returns
     -------
     volume, affine
-        ``float32 (X, Y, Z)`` voxel array (scaling applied) and its ``(4, 4)`` affine.
-    """
-    import nibabel as nib
+        ``float32 (X, Y, Z)`` voxel array in the file's voxel order (scaling applied; a 2D image
+        has ``Z = 1``) and its ``(4, 4)`` affine.
 
-    p = _existing(path)
-    try:
-        img = nib.load(str(p))
-        data = np.asarray(img.get_fdata(dtype=np.float32))
-    except Exception as exc:  # nibabel raises many unrelated types for broken files
-        raise DataError(f"{p}: not a readable NIfTI file ({exc}); re-export it as .nii.gz") from exc
-    if data.ndim == 4 and data.shape[3] == 1:
-        data = data[..., 0]
-    if data.ndim == 2:
-        data = data[..., None]
-    if data.ndim != 3:
-        raise DataError(f"{p}: expected a 3D volume, got shape {data.shape}; split 4D series first")
-    return data, np.asarray(img.affine, dtype=np.float64)
+    Raises
+    ------
+    DataError
+        When the file is missing, damaged or truncated (a ``.nii.gz``'s gzip CRC is checked), or
+        not one scalar 2D/3D volume.
+    """
+    from engine.io.volumes import read_nifti_volume
+
+    data, affine, _ = read_nifti_volume(_existing(path))
+    return data, affine
 
 
 def write_nifti(path: PathLike, volume: np.ndarray, affine: np.ndarray) -> None:

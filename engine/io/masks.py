@@ -187,7 +187,10 @@ def _is_seg(path: Path) -> bool:
         ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["Modality", "SOPClassUID"])
     except Exception as exc:  # damaged header
         raise DataError(f"{path}: damaged DICOM file ({type(exc).__name__}: {exc}); copy it again") from exc
-    return str(ds.get("Modality", "")).upper() == "SEG" or str(ds.get("SOPClassUID", "")) == SEG_SOP_CLASS
+    # The file meta's SOP class too: it still names a SEG whose dataset was cut before its Modality.
+    meta = getattr(ds, "file_meta", None)
+    return (str(ds.get("Modality", "")).upper() == "SEG" or str(ds.get("SOPClassUID", "")) == SEG_SOP_CLASS
+            or str(meta.get("MediaStorageSOPClassUID", "") if meta is not None else "") == SEG_SOP_CLASS)
 
 
 def _photo_mask(path: Path, study: Study) -> np.ndarray:

@@ -7,10 +7,18 @@ because a photo's pixels are what the networks see:
 - greyscale (``L``, ``1``) and palette (``P``) images become RGB (grey replicated into R, G, B;
   palette looked up);
 - alpha (``RGBA``, ``LA``, ``PA``) is dropped, not blended: the colour values are kept as stored;
-- 16-bit (and 32-bit integer) greyscale is scaled to 8 bits by its bit depth, inferred from the
-  largest value (a 12-bit image with values up to 4095 is divided by 4095/255), so a 16-bit PNG
-  does not turn white when clipped; 16-bit RGB is reduced to 8 bits per channel by Pillow;
-- float images are scaled from ``[0, 1]`` when they lie in it, else from their min..max;
+- 16-bit (and 32-bit integer) greyscale is scaled to 8 bits by the full range of its bit depth
+  ``b``: ``v * 255 / (2**b - 1)``, rounded. ``b`` is the depth the file declares (a PNG's ``sBIT``
+  chunk, e.g. 12 for 12-bit sensor data stored in 16 bits) when its values fit in it; otherwise the
+  smallest sensor depth of :data:`SENSOR_DEPTHS` (8, 10, 12, 14, 16 bits) that holds the largest
+  value, beyond 16 bits its bit length. So 12-bit data (values up to 4095) spans 0..255, a 16-bit
+  image is divided by 257, nothing is ever clipped, and an image is never stretched to its own
+  maximum: images of one camera keep their relative brightness unless one never reaches the top
+  quarter of its range (it is then read as the next smaller depth, 4 times brighter). How a photo
+  was scaled is in ``Study.description["scaling"]`` and logged, as a warning when the depth was
+  inferred rather than declared; 16-bit RGB is reduced to 8 bits per channel by Pillow;
+- float images are scaled from ``[0, 1]`` when they lie in it, else from their own min..max (also
+  noted in ``description["scaling"]``);
 - CMYK and YCbCr are converted by Pillow; a multi-page TIFF gives its first page (logged).
 
 A photo larger than :data:`MAX_PIXELS` is refused before its pixels are decoded, which also
@@ -21,9 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -40,6 +49,9 @@ PathLike = str | os.PathLike[str]
 PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 #: Largest photo read, in pixels (100 megapixels: 300 MB as RGB). Fundus cameras give under 25.
 MAX_PIXELS = 100_000_000
+#: Bit depths of image sensors, tried in order for >8-bit grey photos that do not declare theirs.
+SENSOR_DEPTHS = (8, 10, 12, 14, 16)
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 #: Pillow format name -> ``Study.source_format``.
 _FORMATS = {"PNG": "png", "JPEG": "jpeg", "MPO": "jpeg", "TIFF": "tiff", "BMP": "bmp", "DIB": "bmp"}
 
@@ -50,44 +62,107 @@ def photo_format(path: PathLike) -> str | None:
     return {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".tif": "tiff", ".tiff": "tiff", ".bmp": "bmp"}.get(suffix)
 
 
-def _to_uint8_grey(values: np.ndarray) -> np.ndarray:
-    """A single-channel integer or float image scaled to ``uint8`` (see the module docstring)."""
-    if np.issubdtype(values.dtype, np.floating):
-        finite = values[np.isfinite(values)]
-        if finite.size == 0:
-            return np.zeros(values.shape, np.uint8)
-        lo, hi = float(finite.min()), float(finite.max())
-        if lo >= 0.0 and hi <= 1.0:
-            lo, hi = 0.0, 1.0
-        scaled = (np.nan_to_num(values, nan=lo) - lo) / ((hi - lo) or 1.0)
-        return np.clip(np.rint(scaled * 255.0), 0, 255).astype(np.uint8)
-    top = int(values.max(initial=0))
+def _png_significant_bits(path: Path) -> int | None:
+    """The grey depth a PNG declares in its ``sBIT`` chunk (e.g. 12 for 12-bit data in a 16-bit file), else ``None``.
+
+    Pillow does not report ``sBIT``; the chunks before the first ``IDAT`` are walked here.
+    """
+    try:
+        with path.open("rb") as fh:
+            if fh.read(8) != _PNG_SIGNATURE:
+                return None
+            while True:
+                head = fh.read(8)
+                if len(head) < 8:
+                    return None
+                length, kind = struct.unpack(">I4s", head)
+                if kind in (b"IDAT", b"IEND"):
+                    return None
+                if kind == b"sBIT":
+                    data = fh.read(length)
+                    return int(data[0]) if data and 1 <= data[0] <= 16 else None
+                fh.seek(length + 4, os.SEEK_CUR)  # the chunk's data and CRC
+    except OSError:
+        return None
+
+
+class _Scaling(NamedTuple):
+    """How a photo's values were brought to 8 bits: a sentence, and whether it rests on a guess."""
+
+    note: str
+    guessed: bool
+
+
+def _grey_depth(top: int, declared: int | None) -> tuple[int, str]:
+    """Bit depth a >8-bit grey image is scaled by, and how it was chosen (see the module docstring)."""
+    if declared is not None and top < (1 << declared):
+        return declared, "declared by the file"
+    how = f"inferred from the largest value {top}"
+    if declared is not None:
+        how += f"; the {declared} bits the file declares cannot hold it"
+    for bits in SENSOR_DEPTHS:
+        if top < (1 << bits):
+            return bits, how
+    return top.bit_length(), how
+
+
+def _float_to_uint8(values: np.ndarray) -> tuple[np.ndarray, _Scaling]:
+    """A float grey image scaled to ``uint8``, and how (see the module docstring)."""
+    finite = values[np.isfinite(values)]
+    if finite.size == 0:
+        return np.zeros(values.shape, np.uint8), _Scaling("float grey without finite values: all 0", True)
+    lo, hi = float(finite.min()), float(finite.max())
+    if lo >= 0.0 and hi <= 1.0:
+        lo, hi, scaling = 0.0, 1.0, _Scaling("float grey 0..1 scaled to 0..255", False)
+    else:
+        scaling = _Scaling(f"float grey scaled from its own range {lo:.6g}..{hi:.6g} to 0..255", True)
+    scaled = (np.nan_to_num(values, nan=lo) - lo) / ((hi - lo) or 1.0)
+    return np.clip(np.rint(scaled * 255.0), 0, 255).astype(np.uint8), scaling
+
+
+def _int_to_uint8(values: np.ndarray, container: str, declared_bits: int | None = None
+                  ) -> tuple[np.ndarray, _Scaling]:
+    """An integer grey image scaled to ``uint8`` by the full range of its bit depth, and how.
+
+    Raises
+    ------
+    DataError
+        When a value is negative (the message lacks the path; the caller adds it).
+    """
     if int(values.min(initial=0)) < 0:
         raise DataError("has negative pixel values; a photo stores 0 (dark) to its maximum (bright)")
-    if top <= 255:
-        return values.astype(np.uint8)
-    full_scale = (1 << top.bit_length()) - 1  # 12-bit data up to 4095 -> 4095, 16-bit -> 65535
-    return np.rint(values.astype(np.float64) * (255.0 / full_scale)).astype(np.uint8)
+    top = int(values.max(initial=0))
+    bits, how = _grey_depth(top, declared_bits)
+    full_scale = (1 << bits) - 1
+    scaling = _Scaling(f"{container} grey read as {bits}-bit data ({how}): 0..{full_scale} scaled to 0..255",
+                       guessed=bits != declared_bits)
+    if bits <= 8:
+        return values.astype(np.uint8), scaling
+    return np.rint(values.astype(np.float64) * (255.0 / full_scale)).astype(np.uint8), scaling
 
 
-def _rgb_from_image(img: Image.Image) -> np.ndarray:
-    """Pillow image -> ``uint8 (H, W, 3)`` following the module's conversion rules."""
+def _rgb_from_image(img: Image.Image, declared_bits: int | None = None) -> tuple[np.ndarray, _Scaling | None]:
+    """Pillow image -> ``uint8 (H, W, 3)`` following the module's conversion rules, and the scaling note."""
     mode = img.mode
     if mode == "RGB":
-        return np.asarray(img, dtype=np.uint8)
+        return np.asarray(img, dtype=np.uint8), None
     if mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
         arr = np.asarray(img)
-        grey = _to_uint8_grey(arr.astype(np.float32) if mode == "F" else arr.astype(np.int64))
-        return np.repeat(grey[:, :, None], 3, axis=2)
+        if mode == "F":
+            grey, scaling = _float_to_uint8(arr.astype(np.float32))
+        else:
+            container = "16-bit" if mode.startswith("I;16") else "integer"
+            grey, scaling = _int_to_uint8(arr.astype(np.int64), container, declared_bits)
+        return np.repeat(grey[:, :, None], 3, axis=2), scaling
     if mode in ("RGBA", "RGBX", "RGBa"):
-        return np.asarray(img, dtype=np.uint8)[:, :, :3]
+        return np.asarray(img, dtype=np.uint8)[:, :, :3], None
     if mode in ("LA", "La"):
         grey = np.asarray(img, dtype=np.uint8)[:, :, 0]
-        return np.repeat(grey[:, :, None], 3, axis=2)
+        return np.repeat(grey[:, :, None], 3, axis=2), None
     if mode in ("L", "1"):
         grey = np.asarray(img.convert("L"), dtype=np.uint8)
-        return np.repeat(grey[:, :, None], 3, axis=2)
-    return np.asarray(img.convert("RGB"), dtype=np.uint8)  # P, PA, CMYK, YCbCr, LAB, HSV
+        return np.repeat(grey[:, :, None], 3, axis=2), None
+    return np.asarray(img.convert("RGB"), dtype=np.uint8), None  # P, PA, CMYK, YCbCr, LAB, HSV
 
 
 def read_photo(path: PathLike) -> Study:
@@ -120,7 +195,9 @@ def read_photo(path: PathLike) -> Study:
                 fmt = _FORMATS.get(str(img.format), str(img.format or "").lower())
                 mode = img.mode
                 img.load()
-                rgb = np.ascontiguousarray(_rgb_from_image(img))
+                declared = _png_significant_bits(p) if fmt == "png" and mode.startswith("I") else None
+                rgb, scaling = _rgb_from_image(img, declared)
+                rgb = np.ascontiguousarray(rgb)
     except Image.DecompressionBombError as exc:
         raise DataError(f"{p}: the image declares more pixels than FedSM reads ({exc}); downscale it first") from exc
     except UnidentifiedImageError as exc:
@@ -137,6 +214,10 @@ def read_photo(path: PathLike) -> Study:
     if pages > 1:
         log.warning("%s: has %d pages; using the first", p, pages)
         description["pages"] = f"{pages} (first used)"
+    if scaling is not None:
+        # The networks see these 8-bit values: a guessed depth or range is worth a warning.
+        log.log(logging.WARNING if scaling.guessed else logging.INFO, "%s: %s", p, scaling.note)
+        description["scaling"] = scaling.note
     return Study(
         array=rgb,
         kind="photo",

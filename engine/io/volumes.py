@@ -7,7 +7,9 @@ window from robust percentiles of the data. :func:`canonical_layout` and :func:`
 shared with the DICOM reader, so every source format ends up in the same order.
 
 - NIfTI: the header's affine (sform when set, else qform), intensity scaling applied. A 2D image
-  becomes ``Z = 1``; a 4D file with one volume is squeezed; several volumes are refused.
+  becomes ``Z = 1``; a 4D file with one volume is squeezed; several volumes are refused. A
+  ``.nii.gz`` is decompressed to the end of its gzip stream, so a damaged or truncated file fails
+  gzip's CRC/length check instead of loading wrong voxels.
 - MHA/MHD/NRRD/NHDR: SimpleITK's origin, spacing and direction (LPS, as ITK stores them) are
   turned into a RAS+ affine. 2D images become ``Z = 1``; colour (vector) images are refused.
 
@@ -16,8 +18,10 @@ nibabel and SimpleITK are imported inside the functions, so importing this modul
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,11 @@ MAX_VOXELS = 1_000_000_000
 WINDOW_PERCENTILES = (0.5, 99.5)
 #: Voxels sampled for the window percentiles (a strided subsample: cheap on big volumes).
 _WINDOW_SAMPLES = 1_000_000
+#: Bytes decompressed per read when a gzip stream is read on to its end to check its CRC.
+_GZIP_CHUNK = 1 << 20
+_GZIP_MAGIC = b"\x1f\x8b"
+#: What :mod:`gzip` raises for a damaged or truncated stream (bad CRC or length, bad deflate data, early end).
+_GZIP_ERRORS = (EOFError, zlib.error, gzip.BadGzipFile)
 #: LPS <-> RAS: flip the first two world axes.
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 
@@ -152,14 +161,51 @@ def _axcodes(affine: np.ndarray) -> str:
 # --- NIfTI ------------------------------------------------------------------------------------
 
 
+def _gzip_error(path: Path, exc: BaseException) -> DataError:
+    return DataError(f"{path}: the compressed (gzip) data is damaged or truncated ({exc}); copy or re-export the file")
+
+
+def _gzip_damage(path: Path) -> BaseException | None:
+    """What is wrong with a gzip file's stream (read to its end in chunks); ``None`` when intact or not gzip."""
+    try:
+        with path.open("rb") as fh:
+            if fh.read(2) != _GZIP_MAGIC:
+                return None
+        with gzip.open(path, "rb") as stream:
+            while stream.read(_GZIP_CHUNK):
+                pass
+    except (*_GZIP_ERRORS, OSError) as exc:
+        return exc
+    return None
+
+
+def _nifti_voxels(img: Any, path: Path) -> np.ndarray:
+    """Every voxel of a loaded NIfTI image as ``float32`` (scaling applied), in file order.
+
+    A ``.gz`` file is read through one gzip stream to its very end, so :mod:`gzip` checks the
+    CRC-32 and length in the stream's trailer: nibabel stops after the voxel bytes and never
+    reaches it, and a damaged byte that still inflates would otherwise load as wrong voxels. The
+    stream is decompressed once; the rest after the voxels is read in chunks, not kept.
+    """
+    if not path.name.lower().endswith(".gz"):
+        return np.asarray(img.dataobj, dtype=np.float32)
+    with gzip.open(path, "rb") as stream:
+        checked = type(img).from_stream(stream)
+        data = np.asarray(checked.dataobj, dtype=np.float32)
+        while stream.read(_GZIP_CHUNK):
+            pass
+    return data
+
+
 def read_nifti_volume(path: PathLike) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
     """A NIfTI file's voxels in file order as 3D (scaling applied), its affine and descriptors.
 
     Raises
     ------
     DataError
-        When the file is missing, unreadable, not 2D/3D (a 4D file with one volume is fine), too
-        big, or not a scalar image.
+        When the file is missing, unreadable, damaged or truncated (for ``.nii.gz`` the whole gzip
+        stream is checked, CRC included), not 2D/3D (a 4D file with one volume is fine), too big,
+        or not a scalar image.
     """
     import nibabel as nib
 
@@ -167,6 +213,9 @@ def read_nifti_volume(path: PathLike) -> tuple[np.ndarray, np.ndarray, dict[str,
     try:
         img = nib.load(str(p))
     except Exception as exc:  # nibabel raises many unrelated types for broken files
+        damage = _gzip_damage(p)
+        if damage is not None:  # nibabel reports a damaged stream as "cannot work out file type"
+            raise _gzip_error(p, damage) from exc
         raise DataError(f"{p}: not a readable NIfTI file ({exc}); re-export it as .nii.gz") from exc
     if not isinstance(img, nib.Nifti1Image | nib.Nifti2Image):
         raise DataError(f"{p}: is a {type(img).__name__}, not NIfTI; save it as .nii.gz")
@@ -184,8 +233,10 @@ def read_nifti_volume(path: PathLike) -> tuple[np.ndarray, np.ndarray, dict[str,
         raise DataError(f"{p}: holds {dtype} voxels (colour or complex); FedSM reads scalar volumes — "
                         "convert it to one grey value per voxel")
     try:
-        data = np.asarray(img.dataobj, dtype=np.float32).reshape(shape)
-    except Exception as exc:  # truncated data, wrong sizes in the header, gzip errors
+        data = _nifti_voxels(img, p).reshape(shape)
+    except _GZIP_ERRORS as exc:
+        raise _gzip_error(p, exc) from exc
+    except Exception as exc:  # truncated data, wrong sizes in the header
         raise DataError(f"{p}: the voxel data cannot be read ({exc}); the file is damaged or truncated, "
                         "re-export it") from exc
     affine = np.asarray(img.affine, dtype=np.float64)

@@ -141,3 +141,49 @@ def test_volume_problems_partial_and_multilabel_masks(prostate_site: Path, tmp_p
     assert multi["values"] == [0, 1, 2] and "several non-zero values [1, 2]" in multi["problems"][0]
     multilabel = api.validate_data([tmp_path / "dl.json"], task="prostate", convention="multilabel")
     assert multilabel["files"][1]["ok"] and multilabel["sites"][0]["convention"] == "multilabel"
+
+
+def test_a_truncated_dicom_seg_is_a_problem_line_not_a_crash(tmp_path: Path, capsys) -> None:
+    # Prepare: two synthetic DICOM series with a SEG each; the second SEG cut in its pixel data
+    from synthetic_dicom import write_series
+
+    from engine.io.dicom_seg import write_dicom_seg
+    from engine.io.readers import open_study
+    from engine.io.study import LabelMap
+
+    entries = []
+    for case in (1, 2):
+        write_series(tmp_path / f"case{case}", seed=case)
+        study = open_study(tmp_path / f"case{case}")
+        mask = np.zeros(study.shape, np.uint8)
+        mask[3:8, 2:7, 1:3] = 1
+        seg = write_dicom_seg(study, LabelMap(mask, {1: "prostate"}), tmp_path / f"seg{case}.dcm")
+        entries.append({"image": tmp_path / f"case{case}", "label": seg})
+    data = (tmp_path / "seg2.dcm").read_bytes()
+    (tmp_path / "seg2.dcm").write_bytes(data[:-10])
+    write_datalist(tmp_path / "dl.json", {"training": entries}, info={"task": "prostate"})
+    # Execute
+    status = main(["validate-data", str(tmp_path / "dl.json")])
+    # Assert: exit 1, one PROBLEM line naming the SEG and saying it is truncated
+    out = capsys.readouterr().out
+    problems = [line for line in out.splitlines() if "PROBLEM" in line]
+    assert status == 1 and len(problems) == 1
+    assert problems[0].startswith("  PROBLEM training[1]") and "seg2.dcm" in problems[0]
+    assert "truncated" in problems[0] and "copy" in problems[0]
+
+
+def test_an_unexpected_reader_error_is_a_problem_of_its_entry(fundus_sites: list[Path], monkeypatch,
+                                                              caplog) -> None:
+    # A reader bug (not a DataError) on one mask: reported on the entries, the check goes on
+    import engine.io.masks
+
+    def buggy(path, study, convention=None, allow_partial=True):
+        raise RuntimeError(f"boom in {Path(path).name}")
+
+    monkeypatch.setattr(engine.io.masks, "read_mask", buggy)
+    report = api.validate_data([fundus_sites[0]])
+    assert report["ok"] is False and len(report["files"]) == 8
+    row = report["files"][0]
+    assert row["problems"][0].startswith(f"mask: {row['label']}: cannot be read (RuntimeError: boom in ")
+    assert "report this message to the FedSM developers" in row["problems"][0]
+    assert any(r.exc_info and r.exc_info[0] is RuntimeError for r in caplog.records)  # traceback kept in the log

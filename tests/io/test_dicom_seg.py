@@ -15,6 +15,7 @@ from testsupport import SHARED_DATA
 from engine.errors import DataError
 from engine.io.dicom_seg import build_dicom_seg, read_dicom_seg, write_dicom_seg
 from engine.io.export import export_mask, read_provenance, sidecar_path
+from engine.io.masks import open_mask
 from engine.io.provenance import ImageRecord, Provenance
 from engine.io.study import LabelMap, Study
 
@@ -258,6 +259,60 @@ def test_reading_garbage(tmp_path: Path) -> None:
     (tmp_path / "bad.dcm").write_bytes(b"\x00" * 200)
     with pytest.raises(DataError, match=r"bad\.dcm"):
         read_dicom_seg(tmp_path / "bad.dcm", study)
+
+
+# --- damaged files ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seg_on_series(tmp_path_factory: pytest.TempPathFactory) -> tuple[Study, Path]:
+    """A 4-slice synthetic series, its study, and a two-segment SEG written on it."""
+    folder = tmp_path_factory.mktemp("seg")
+    paths, pixels = write_series(folder / "series")
+    study = canonical_study(paths, pixels)
+    seg = write_dicom_seg(study, LabelMap(random_labels(study.shape), {1: "prostate", 2: "lesion"}), folder / "m.dcm")
+    return study, seg
+
+
+# Fractions of the file kept: in the file meta, the header, its functional groups, the pixel data;
+# negative: that many bytes cut from the end (the last frames' pixels).
+CUTS = [0.0, 0.02, 0.05, 0.25, 0.5, 0.55, 0.75, 0.99, -1, -16]
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_truncated_seg_is_a_data_error_naming_the_file(tmp_path: Path, seg_on_series: tuple[Study, Path],
+                                                        cut: float) -> None:
+    # Prepare
+    study, seg = seg_on_series
+    data = seg.read_bytes()
+    keep = len(data) + int(cut) if cut < 0 else int(len(data) * cut)
+    path = tmp_path / "cut_seg.dcm"
+    path.write_bytes(data[:keep])
+    # Execute / Assert: through the SEG reader and the mask reader that dispatches to it
+    for read in (read_dicom_seg, open_mask):
+        with pytest.raises(DataError, match=r"cut_seg\.dcm") as info:
+            read(path, study)
+        message = str(info.value)
+        assert "truncated" in message or "damaged" in message or "empty" in message or "no DICOM" in message
+        assert "copy" in message or "export" in message or "remove" in message  # what to do
+
+
+def test_a_frame_that_cannot_be_decoded_names_the_frame(seg_on_series: tuple[Study, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import highdicom as hd
+
+    study, seg = seg_on_series
+    decode = hd.seg.Segmentation.get_stored_frame
+
+    def broken(self: hd.seg.Segmentation, frame: int, as_index: bool = False) -> np.ndarray:
+        if frame == 2:  # what highdicom raises for a frame whose pixel data is cut short
+            raise ValueError("cannot reshape array of size 0 into shape (12,10)")
+        return decode(self, frame, as_index=as_index)
+
+    monkeypatch.setattr(hd.seg.Segmentation, "get_stored_frame", broken)
+    with pytest.raises(DataError, match=r"m\.dcm: frame 3 of \d+ cannot be read \(ValueError: cannot reshape.*"
+                                        r"damaged or truncated — export or copy it again"):
+        read_dicom_seg(seg, study)
 
 
 # --- real public data ------------------------------------------------------------------------------

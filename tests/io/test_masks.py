@@ -207,3 +207,16 @@ def test_dicom_seg_is_read_through_the_seg_reader(tmp_path: Path) -> None:
     np.testing.assert_array_equal(mask.array, labels)
     assert mask.names == {1: "prostate", 2: "lesion"}
     assert set(np.unique(open_mask(out, study, "binary").array)) == {0, 1}
+
+
+def test_damaged_nii_gz_mask_fails_its_gzip_check(tmp_path: Path, volume) -> None:
+    # A mask whose gzip trailer is damaged: nibabel alone would return its voxels without complaint
+    nib.save(nib.Nifti1Image(_labels(volume.shape), volume.affine), tmp_path / "m.nii.gz")
+    data = bytearray((tmp_path / "m.nii.gz").read_bytes())
+    data[-6] ^= 0xFF  # the CRC-32
+    (tmp_path / "crc.nii.gz").write_bytes(bytes(data))
+    (tmp_path / "cut.nii.gz").write_bytes(bytes(data[:-3]))
+    for name in ("crc", "cut"):
+        with pytest.raises(DataError, match=rf"{name}\.nii\.gz: the compressed \(gzip\) data is damaged"):
+            read_mask(tmp_path / f"{name}.nii.gz", volume)
+    assert open_mask(tmp_path / "m.nii.gz", volume).array.shape == volume.shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 import zlib
 from pathlib import Path
@@ -60,6 +61,7 @@ def test_16_bit_grey_png_is_scaled_by_its_bit_depth(tmp_path: Path) -> None:
         assert img.mode.startswith("I")  # really a 16-bit file
     study = open_study(tmp_path / "full.png")
     np.testing.assert_array_equal(study.array[:, :, 0], np.rint(full / 257.0).astype(np.uint8))
+    assert study.description["scaling"].startswith("16-bit grey read as 16-bit data")
     twelve = (full // 16).astype(np.uint16)  # 12-bit data: 0..4095
     Image.fromarray(twelve).save(tmp_path / "twelve.png")
     out = open_study(tmp_path / "twelve.png").array[:, :, 0]
@@ -67,11 +69,66 @@ def test_16_bit_grey_png_is_scaled_by_its_bit_depth(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out, np.rint(twelve * (255.0 / 4095)).astype(np.uint8))
 
 
+def _save_png(path: Path, values: np.ndarray, significant_bits: int | None = None) -> None:
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    if significant_bits is not None:
+        info.add(b"sBIT", bytes([significant_bits]))
+    Image.fromarray(values).save(path, pnginfo=info)
+
+
+def test_16_bit_grey_is_never_stretched_to_its_own_maximum(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # 12-bit data whose brightest pixel is 3000: divided by 4095 (the 12-bit range), not by 3000
+    dim = np.linspace(0, 3000, 30 * 40).reshape(30, 40).astype(np.uint16)
+    _save_png(tmp_path / "dim.png", dim)
+    with caplog.at_level(logging.INFO, logger="engine.io.photos"):
+        study = open_study(tmp_path / "dim.png")
+    np.testing.assert_array_equal(study.array[:, :, 0], np.rint(dim * (255.0 / 4095)).astype(np.uint8))
+    assert study.array.max() == round(3000 * 255 / 4095) < 255
+    note = study.description["scaling"]
+    assert note == "16-bit grey read as 12-bit data (inferred from the largest value 3000): 0..4095 scaled to 0..255"
+    [record] = [r for r in caplog.records if "dim.png" in r.getMessage()]
+    assert record.levelno == logging.WARNING and note in record.getMessage()
+    # 14-bit data: the 14-bit range
+    fourteen = np.linspace(0, 16000, 30 * 40).reshape(30, 40).astype(np.uint16)
+    _save_png(tmp_path / "fourteen.png", fourteen)
+    np.testing.assert_array_equal(open_study(tmp_path / "fourteen.png").array[:, :, 0],
+                                  np.rint(fourteen * (255.0 / 16383)).astype(np.uint8))
+
+
+def test_16_bit_grey_uses_the_depth_the_png_declares(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # sBIT says 12 bits: a dark image (up to 1000) stays dark instead of being read as 10-bit data
+    dark = np.linspace(0, 1000, 30 * 40).reshape(30, 40).astype(np.uint16)
+    _save_png(tmp_path / "declared.png", dark, significant_bits=12)
+    with caplog.at_level(logging.INFO, logger="engine.io.photos"):
+        study = open_study(tmp_path / "declared.png")
+    np.testing.assert_array_equal(study.array[:, :, 0], np.rint(dark * (255.0 / 4095)).astype(np.uint8))
+    assert study.description["scaling"] == (
+        "16-bit grey read as 12-bit data (declared by the file): 0..4095 scaled to 0..255")
+    assert [r.levelno for r in caplog.records if "declared.png" in r.getMessage()] == [logging.INFO]
+    # Without sBIT the same pixels are read as 10-bit data
+    _save_png(tmp_path / "undeclared.png", dark)
+    assert "10-bit data" in open_study(tmp_path / "undeclared.png").description["scaling"]
+    # A declaration the values contradict is overruled, and the note says so
+    _save_png(tmp_path / "wrong.png", dark * 16, significant_bits=10)
+    assert "the 10 bits the file declares cannot hold it" in open_study(tmp_path / "wrong.png").description["scaling"]
+
+
+def test_8_bit_photos_carry_no_scaling_note(tmp_path: Path) -> None:
+    Image.fromarray(_rgb()).save(tmp_path / "p.png")
+    assert "scaling" not in open_study(tmp_path / "p.png").description
+
+
 def test_float_tiff_is_scaled_to_8_bits(tmp_path: Path) -> None:
     values = np.linspace(0.0, 1.0, 30 * 40, dtype=np.float32).reshape(30, 40)
     Image.fromarray(values, mode="F").save(tmp_path / "f.tif")
-    out = open_study(tmp_path / "f.tif").array
-    assert out[0, 0, 0] == 0 and out[-1, -1, 0] == 255
+    study = open_study(tmp_path / "f.tif")
+    assert study.array[0, 0, 0] == 0 and study.array[-1, -1, 0] == 255
+    assert study.description["scaling"] == "float grey 0..1 scaled to 0..255"
+    Image.fromarray(values * 500 - 20, mode="F").save(tmp_path / "wide.tif")
+    assert open_study(tmp_path / "wide.tif").description["scaling"] == (
+        "float grey scaled from its own range -20..480 to 0..255")
 
 
 def test_multipage_tiff_uses_the_first_page(tmp_path: Path) -> None:

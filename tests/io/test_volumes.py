@@ -12,6 +12,7 @@ import SimpleITK as sitk
 
 from engine.errors import DataError
 from engine.io import volumes
+from engine.io.files import read_nifti
 from engine.io.readers import list_series, open_study
 
 
@@ -144,3 +145,29 @@ def test_degenerate_affine_is_a_data_error() -> None:
         volumes.to_canonical(np.zeros((3, 3, 3), np.float32), np.diag([1.0, 0.0, 1.0, 1.0]))
     with pytest.raises(DataError, match="NaN or Inf"):
         volumes.to_canonical(np.zeros((3, 3, 3), np.float32), np.diag([1.0, np.nan, 1.0, 1.0]))
+
+
+def _damaged_gzip_copies(path: Path) -> dict[str, bytes]:
+    """Copies of a valid .nii.gz that nibabel alone loads without complaint, each damaged in one way."""
+    raw = gzip.decompress(path.read_bytes())
+    stored = bytearray(gzip.compress(raw, compresslevel=0))  # stored blocks: a flipped byte still inflates
+    stored[len(stored) // 2] ^= 0xFF
+    compressed = path.read_bytes()
+    bad_crc = bytearray(compressed)
+    bad_crc[-6] ^= 0xFF  # in the CRC-32 of the trailer
+    return {"flipped": bytes(stored), "crc": bytes(bad_crc), "cut": compressed[:-5]}
+
+
+@pytest.mark.parametrize("damage", ["flipped", "crc", "cut"])
+def test_damaged_nii_gz_fails_its_gzip_check(tmp_path: Path, damage: str) -> None:
+    # Prepare: voxels in the middle of the file (a flip lands on them), 25 kB of them
+    data = np.random.default_rng(2).normal(100, 20, (20, 20, 16)).astype(np.float32)
+    nib.save(nib.Nifti1Image(data, np.eye(4)), tmp_path / "ok.nii.gz")
+    path = tmp_path / f"{damage}.nii.gz"
+    path.write_bytes(_damaged_gzip_copies(tmp_path / "ok.nii.gz")[damage])
+    # Execute / Assert: the whole stream is checked, through every NIfTI reader
+    with pytest.raises(DataError, match=rf"{damage}\.nii\.gz: the compressed \(gzip\) data is damaged or truncated"):
+        open_study(path)
+    with pytest.raises(DataError, match=rf"{damage}\.nii\.gz: .*gzip"):
+        read_nifti(path)
+    np.testing.assert_array_equal(open_study(tmp_path / "ok.nii.gz").array, data)  # the intact file still reads
