@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.bench.cache import JobKey
+from engine.bench.cache import JobKey, code_version
 from engine.bench.presets import BenchPreset, TaskPreset
 from engine.simulate import Simulation, SimulationConfig
 from engine.tasks import get_task
@@ -48,16 +48,32 @@ def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
     return [load_site(p, task, tp.image_size) for p in paths]
 
 
+def resolved_device(device: str) -> str:
+    """The device a job really runs on (``"cpu"``, ``"cuda"``, ``"cuda:1"``), never ``"auto"``."""
+    from engine.inference.device import resolve_device
+
+    dev, _ = resolve_device(device)
+    return str(dev)
+
+
 def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str) -> dict[str, Any]:
-    """The settings that determine a job's result (a cached result must match them)."""
+    """The settings that determine a job's result (a cached result must match them).
+
+    ``device`` is recorded resolved (``"auto"`` becomes ``"cpu"`` or ``"cuda"``), and the code
+    version (:func:`engine.bench.cache.code_version`) is part of the settings, so a result made
+    by other code, other torch/MONAI/numpy versions or on another kind of device is not reused.
+    """
     settings: dict[str, Any] = {
-        "task": asdict(tp), "data_seed": preset.data_seed, "device": device,
+        "task": asdict(tp), "data_seed": preset.data_seed, "device": resolved_device(device),
         "training": {"epochs": preset.epochs, "batch_size": preset.batch_size, "lr": preset.lr,
                      "selector_lr": preset.selector_lr, "selector_size": preset.selector_size,
                      "gamma": preset.gamma, "prox_mu": preset.prox_mu},
+        "code": code_version(),
     }
     if key.method.startswith("fedsm") or key.analysis != "main":
         settings["gammas"] = list(preset.gammas)
+    if key.analysis == "lam":
+        settings["softpull_lam"] = sweep_lam(lam_of(key.method))
     if key.analysis == "unseen":
         settings["unseen_site"] = preset.unseen_site
     if key.analysis == "personalization":
@@ -68,26 +84,70 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str) 
 
 
 def effective_lam(lam: float, sites: int) -> float:
-    """``lam`` raised to ``1/K`` where it is smaller (SoftPull needs ``lam >= 1/K``)."""
+    """``lam`` raised to ``1/K`` where it is smaller: the lam of the *main* FedSM runs.
+
+    The engine's FedSM (and ``fedsm simulate``) accepts only ``lam >= 1/K``, so the main
+    comparison uses what a user can run. The lam sweep does not use this (see :func:`sweep_lam`).
+    """
     return max(float(lam), 1.0 / sites)
 
 
+def sweep_lam(lam: float) -> float:
+    """The lam a lam-sweep job trains with: exactly the requested value, which must lie in ``[0, 1]``.
+
+    The paper's Table 7 sweeps lam 0.1..0.9 with K = 6 sites, i.e. also below ``1/K``. SoftPull
+    ``w_k <- lam w_k + (1 - lam)/(K - 1) sum_{k' != k} w_k'`` is a convex combination for every
+    lam in ``[0, 1]``; below ``1/K`` each other site's model weighs more than the site's own
+    ((1 - lam)/(K - 1) > lam). Repeated, it still contracts the personalized models towards
+    their mean: their deviations from it are multiplied by ``(K lam - 1)/(K - 1)``, which lies in
+    ``[-1/(K - 1), 0)`` there (sign flip, small magnitude), is 0 at ``1/K`` (plain averaging) and
+    rises to 1 at lam = 1 (local training). So the sweep trains such values as given rather than
+    silently raising them to ``1/K``; the report shows the requested and the used value.
+    """
+    from engine.errors import ConfigError
+
+    lam = float(lam)
+    if not 0.0 <= lam <= 1.0:
+        raise ConfigError(f"lam sweep value {lam} must lie in [0, 1]")
+    return lam
+
+
+def lam_of(method: str) -> float:
+    """lam of a lam-sweep job's method name, e.g. ``lam0.30`` -> 0.3."""
+    return float(method.removeprefix("lam"))
+
+
 class BenchSimulation(Simulation):
-    """A :class:`Simulation` over given sites that also knows FedSM's personalization variants."""
+    """A :class:`Simulation` over given sites that also knows FedSM's personalization variants.
+
+    ``softpull_lam`` (lam sweep only) trains FedSM with that SoftPull lam even below ``1/K``,
+    which the engine's FedSM constructor rejects: the method is built with a valid lam and its
+    :attr:`~engine.fl.methods.FedSM.lam` (the value SoftPull uses each round) is then set, and the
+    simulation's recorded ``lam`` is the value used (see :func:`sweep_lam`).
+    """
 
     def __init__(self, cfg: SimulationConfig, out_dir: Path, sites: list[Any], progress: ProgressFn | None = None,
-                 cancel: Callable[[], bool] | None = None) -> None:
+                 cancel: Callable[[], bool] | None = None, softpull_lam: float | None = None) -> None:
         super().__init__(cfg, out_dir, progress, cancel)
         self.sites = list(sites)
+        self.softpull_lam = None if softpull_lam is None else sweep_lam(softpull_lam)
+        if self.softpull_lam is not None:
+            self.cfg.lam = self.softpull_lam  # recorded in the results and the bundle as used
 
     def _build_method(self, name: str) -> Any:
-        from engine.fl.methods import FedSMPersonalized
+        from engine.fl.methods import FedSM, FedSMPersonalized
         from engine.fl.personalization import PERSONALIZATIONS
 
         kind = name.removeprefix("fedsm-")
         if kind in PERSONALIZATIONS:
             return FedSMPersonalized(self.task, [s.name for s in self.sites], self.cfg.training(), self.cfg.seed,
                                      self.cfg.rounds, personalization=kind, gamma=self.cfg.gamma)
+        if name == "fedsm" and self.softpull_lam is not None:
+            names = [s.name for s in self.sites]
+            method = FedSM(self.task, names, self.cfg.training(), self.cfg.seed, self.cfg.rounds,
+                           lam=effective_lam(self.softpull_lam, len(names)), gamma=self.cfg.gamma)
+            method.lam = self.softpull_lam
+            return method
         return super()._build_method(name)
 
 
@@ -104,6 +164,7 @@ class JobContext:
     cancel: Callable[[], bool] | None = None
 
     def config(self, seed: int, sites: int, lam: float | None = None) -> SimulationConfig:
+        """Simulation settings; a sweep ``lam`` is raised to ``1/K`` here, set exactly by :class:`BenchSimulation`."""
         p, tp = self.preset, self.tp
         return SimulationConfig(
             task=tp.task, sites=sites, rounds=tp.rounds, methods=("fedsm",), image_size=tp.image_size, seed=seed,
@@ -165,7 +226,8 @@ def _method_result(result: Any) -> dict[str, Any]:
 def _train(ctx: JobContext, sites: list[Any], method: str, seed: int, lam: float | None = None,
            curves: bool = True) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """Train and evaluate ``method``; return its result, its super model (FedSM) and final state."""
-    sim = BenchSimulation(ctx.config(seed, len(sites), lam), ctx.out_dir, sites, ctx.progress, ctx.cancel)
+    sim = BenchSimulation(ctx.config(seed, len(sites), lam), ctx.out_dir, sites, ctx.progress, ctx.cancel,
+                          softpull_lam=lam)
     recorder = CurveRecorder(sim.task, sites, ctx.device, enabled=curves)
     sim.round_hook = recorder
     start = time.perf_counter()
@@ -190,10 +252,10 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
                                              ctx.device, own_model={n: i + 1 for i, n in enumerate(names)})
         return out
     if key.analysis == "lam":
-        lam = float(key.method.removeprefix("lam"))
+        lam = sweep_lam(lam_of(key.method))
         out, _, _ = _train(ctx, ctx.sites, "fedsm", key.seed, lam=lam, curves=False)
         out["lam"] = lam
-        out["lam_used"] = effective_lam(lam, len(ctx.sites))
+        out["lam_used"] = float(out["extra"]["lam"])  # what SoftPull used, as the simulation recorded it
         return out
     if key.analysis == "unseen":
         held = ctx.preset.unseen_site - 1

@@ -43,10 +43,17 @@ PERF_INFERENCE_IMAGES = 32
 
 
 def perf_settings(preset: Any, device: str) -> dict[str, Any]:
-    """Settings the perf figures depend on (a cached perf result must match them)."""
+    """Settings the perf figures depend on (a cached perf result must match them).
+
+    The device is recorded resolved (``"auto"`` becomes ``"cpu"`` or ``"cuda"``), and the code
+    version (:func:`engine.bench.cache.code_version`) is included as for the training jobs.
+    """
+    from engine.bench.cache import code_version
+    from engine.bench.jobs import resolved_device
+
     settings = {"version": PERF_VERSION, "image_size": preset.perf_image_size, "batch_size": preset.batch_size,
                 "selector_size": preset.selector_size, "sites": PERF_SITES, "batches": preset.perf_batches,
-                "repeats": preset.perf_repeats, "device": device}
+                "repeats": preset.perf_repeats, "device": resolved_device(device), "code": code_version()}
     if not preset.perf_memory:
         settings["memory"] = False
     return settings
@@ -182,11 +189,17 @@ def _random_bundle(size: int, selector_size: int) -> Any:
 def measure_routed_inference(size: int, selector_size: int, device_name: str = "cpu",
                              images: int = PERF_INFERENCE_IMAGES,
                              repeats: int = PERF_REPEATS) -> dict[str, Any]:
-    """Seconds per image of routed inference and of running all K+1 U-Nets plus the selector."""
+    """Seconds per image of routed inference and of running all K+1 U-Nets plus the selector.
+
+    The result names the device both ran on resolved (``"cpu"``, ``"cuda"``), never ``"auto"``.
+    """
     from engine.fl.evaluation import segment_with, selector_probabilities
+    from engine.inference.device import resolve_device
     from engine.inference.predictor import SuperModelPredictor
     from engine.tasks import FUNDUS
 
+    dev, amp = resolve_device(device_name)
+    device_name = str(dev)
     bundle = _random_bundle(size, selector_size)
     predictor = SuperModelPredictor(bundle, device_name)
     x = _random_split(images, 3, 2, size, seed=1).images
@@ -211,7 +224,8 @@ def measure_routed_inference(size: int, selector_size: int, device_name: str = "
         all_models()
         all_s.append(time.perf_counter() - t0)
     r, a = float(np.median(routed_s)), float(np.median(all_s))
-    return {"images": images, "image_size": size, "models": PERF_SITES + 1, "routed_s_per_image": r / images,
+    return {"images": images, "image_size": size, "models": PERF_SITES + 1, "device": device_name,
+            "mixed_precision": amp, "routed_s_per_image": r / images,
             "all_models_s_per_image": a / images, "ratio": r / a,
             "note": "all_models builds each U-Net per call (as segment_with does); the routed predictor "
                     "holds its networks, so the ratio slightly favours routing by construction cost"}

@@ -120,11 +120,13 @@ def plot_lam(rows: list[dict[str, Any]], task: str, path: Path) -> Path | None:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    lam = [r["lam_used"] for r in rows]
+    lam = [float(sum(r["lam_used"]) / len(r["lam_used"])) for r in rows]  # the lam SoftPull used
     for key, label, style in (("routed", "FedSM routed", "-o"), ("oracle", "personalized, own site", "--s"),
                               ("global_only", "global model alone", ":^")):
         ax.errorbar(lam, [r[key][0] for r in rows], yerr=[r[key][1] for r in rows], fmt=style, ms=4, capsize=3,
                     label=label)
+    if "one_over_k" in rows[0]:
+        ax.axvline(rows[0]["one_over_k"], color="grey", ls=":", lw=1, label="1/K (plain averaging)")
     ax.set_xlabel("SoftPull lam")
     ax.set_ylabel("Dice (client average)")
     ax.set_title(f"{task}: lam sweep")

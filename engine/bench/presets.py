@@ -48,7 +48,8 @@ class BenchPreset:
     seeds
         Training seeds of the main comparison (data is generated once with ``data_seed``).
     lam_values
-        SoftPull lam sweep (paper Table 7); values below ``1/K`` are replaced by ``1/K``.
+        SoftPull lam sweep (paper Table 7); trained as given, also below ``1/K``
+        (:func:`engine.bench.jobs.sweep_lam`).
     gammas
         Routing thresholds evaluated on participating and unseen sites (paper Tables 5, 12).
     unseen_site
@@ -106,7 +107,7 @@ PRESETS: dict[str, BenchPreset] = {
         description="CI smoke test of the whole machinery: 3 small sites, 32 px, 1 round, 2 seeds (seconds)",
         tasks=(TaskPreset("fundus", sites=3, image_size=32, rounds=1, lam=0.7),
                TaskPreset("prostate", sites=3, image_size=32, rounds=1, slices=6, lam=0.5)),
-        seeds=(0, 1), batch_size=8, lam_values=(0.9,), gammas=(0.0, 0.6, 1.0), unseen_site=3,
+        seeds=(0, 1), batch_size=8, lam_values=(0.2,), gammas=(0.0, 0.6, 1.0), unseen_site=3,
         personalizations=("apfl", "pfedme"), analysis_seeds=(0,),
         perf_image_size=32, perf_batches=1, perf_repeats=1, perf_memory=False,
     ),

@@ -1,23 +1,27 @@
 """``results.md`` and its plots, regenerated from the cached benchmark results.
 
-The markdown states the command, machine, preset and seeds beside the tables, lists what did
-not complete, and derives its comparisons ("FedSM vs FedAvg: +0.012") from the numbers. A
-hand-written reading between ``<!-- reading:start -->`` and ``<!-- reading:end -->`` in an
-existing file is kept when the file is regenerated (``preserve_reading``).
+The markdown states the command, preset and seeds beside the tables, lists what did not
+complete, and derives its comparisons ("FedSM vs FedAvg: +0.012") from the numbers. Each table
+says which machines ran the cached jobs behind it and when they finished (the jobs' own
+provenance, not the invocation that regenerated the file). A hand-written reading between
+``<!-- reading:start -->`` and ``<!-- reading:end -->`` in an existing file is kept when the file
+is regenerated for the same preset (``preserve_reading``); a reading written for another preset's
+numbers is dropped.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
 from engine.bench.presets import BenchPreset
-from engine.bench.runner import ALL_TASKS, plan_jobs
+from engine.bench.runner import ALL_TASKS, machine_label, plan_jobs
 from engine.io.atomic import write_text_atomic
 from engine.tasks import get_task
 
@@ -26,16 +30,68 @@ DEFAULT_READING = "_No reading written yet: add one between the reading markers;
 T = tables.METHOD_TITLES
 
 
-def collect(cache: ResultCache, preset: BenchPreset,
-            settings_for: Callable[[JobKey], dict[str, Any]]) -> dict[JobKey, dict[str, Any]]:
-    """Results of the preset's planned jobs (and main FedSM runs) whose settings match."""
-    keys = plan_jobs(preset)
+def collect_docs(cache: ResultCache, preset: BenchPreset,
+                 settings_for: Callable[[JobKey], dict[str, Any]]) -> dict[JobKey, dict[str, Any]]:
+    """Cache documents (settings, result, provenance) of the preset's planned jobs whose settings match."""
     out: dict[JobKey, dict[str, Any]] = {}
-    for key in keys:
+    for key in plan_jobs(preset):
         doc = cache.load(key, settings_for(key))
         if doc is not None:
-            out[key] = doc["result"]
+            out[key] = doc
     return out
+
+
+def collect(cache: ResultCache, preset: BenchPreset,
+            settings_for: Callable[[JobKey], dict[str, Any]]) -> dict[JobKey, dict[str, Any]]:
+    """Results of the preset's planned jobs whose settings match."""
+    return {k: doc["result"] for k, doc in collect_docs(cache, preset, settings_for).items()}
+
+
+def provenance_summary(keys: Iterable[JobKey], docs: Mapping[JobKey, dict[str, Any]]) -> dict[str, Any]:
+    """Where and when the cached jobs ``keys`` ran.
+
+    Returns ``{"jobs", "machines": {label: jobs}, "unrecorded": jobs without a machine, "first",
+    "last": ISO finish times, "untimed": jobs without a finish time}``.
+    """
+    used = [docs[k] for k in dict.fromkeys(keys) if k in docs]
+    recorded = [(d.get("provenance") or {}) for d in used]
+    machines = Counter(machine_label(p["machine"]) for p in recorded if p.get("machine"))
+    times = sorted(p["finished"] for p in recorded if p.get("finished"))
+    return {"jobs": len(used), "machines": dict(machines), "unrecorded": len(used) - sum(machines.values()),
+            "first": times[0] if times else None, "last": times[-1] if times else None,
+            "untimed": len(used) - len(times)}
+
+
+def _where_when(p: dict[str, Any]) -> tuple[str, str]:
+    if len(p["machines"]) == 1 and not p["unrecorded"]:
+        where = f"run on {next(iter(p['machines']))}"
+    else:
+        parts = [f"{label} ({n} job(s))" for label, n in p["machines"].items()]
+        if p["unrecorded"]:
+            parts.append(f"machine not recorded ({p['unrecorded']} job(s))")
+        where = (f"run on {len(p['machines'])} different machines: " if len(p["machines"]) > 1 else "run on ") \
+            + "; ".join(parts)
+    if p["first"] is None:
+        when = "finish times not recorded"
+    elif p["first"] == p["last"]:
+        when = f"finished {p['first']}"
+    else:
+        when = f"finished between {p['first']} and {p['last']}"
+    if p["first"] is not None and p["untimed"]:
+        when += f" ({p['untimed']} without a recorded time)"
+    return where, when
+
+
+def provenance_line(keys: Iterable[JobKey], docs: Mapping[JobKey, dict[str, Any]] | None,
+                    what: str = "this table") -> list[str]:
+    """``["", "_Jobs behind this table: N, run on MACHINE; finished between A and B._"]`` (nothing if no job)."""
+    if docs is None:
+        return []
+    p = provenance_summary(keys, docs)
+    if not p["jobs"]:
+        return []
+    where, when = _where_when(p)
+    return ["", f"_Jobs behind {what}: {p['jobs']}, {where}; {when}._"]
 
 
 def _mib(x: float) -> str:
@@ -63,7 +119,8 @@ def _diff(d: dict[str, Any]) -> str:
 
 
 def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, task_name: str,
-                  img: Callable[[str], tuple[Path, str]]) -> list[str]:
+                  img: Callable[[str], tuple[Path, str]],
+                  docs: Mapping[JobKey, dict[str, Any]] | None = None) -> list[str]:
     tp = preset.task(task_name)
     task = get_task(task_name)
     labels = list(task.label_names)
@@ -79,6 +136,8 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
                   ", ".join(map(str, r["seeds"])) or "none", tables.fmt(r["wall_s"][0], digits=0)]
         body.append(cells)
     lines += _table(header, body)
+    lines += provenance_line([k for k in results if k.task == task_name and k.analysis == "main"], docs,
+                             "this section's tables and plots")
     by = {r["method"]: r for r in rows}
     lines += ["", "Paired differences in client-average mean Dice (same data and seed; mean ± std over seeds):", ""]
     for a, b in (("fedsm", "fedavg"), ("fedsm", "centralized"), ("fedsm", "local"), ("fedsm-extra", "fedsm"),
@@ -122,18 +181,35 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
     return lines
 
 
+def _lam_used(row: dict[str, Any]) -> str:
+    text = ", ".join(f"{v:.3f}" for v in row["lam_used"])
+    if any(v < row["one_over_k"] - 1e-9 for v in row["lam_used"]):
+        text += " (< 1/K)"
+    elif any(abs(v - row["one_over_k"]) < 1e-9 for v in row["lam_used"]):
+        text += " (= 1/K)"
+    return text if row["seeds"] else f"{text} (planned)"
+
+
 def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, task_name: str,
-                       img: Callable[[str], tuple[Path, str]]) -> list[str]:
+                       img: Callable[[str], tuple[Path, str]],
+                       docs: Mapping[JobKey, dict[str, Any]] | None = None) -> list[str]:
     tp = preset.task(task_name)
     lines: list[str] = []
     # lam sweep
     lam = tables.lam_rows(results, task_name, tp.lam, tp.sites, preset.lam_values, preset.analysis_seeds)
+    one_over_k = 1 / tp.sites
     lines += ["", f"### {task_name}: SoftPull lam sweep (the paper's Table 7)", "",
-              f"FedSM trained with each lam (values below 1/K = {1 / tp.sites:.3f} are raised to 1/K, the engine's "
-              f"lower bound); seeds {', '.join(map(str, preset.analysis_seeds))}.", ""]
-    lines += _table(["lam", "lam used", "routed Dice", "personalized (oracle)", "global alone", "seeds"],
-                    [[f"{r['lam']:.2f}", f"{r['lam_used']:.3f}", _ms(r["routed"]), _ms(r["oracle"]),
+              f"FedSM trained with each requested lam, used as given also below 1/K = {one_over_k:.3f} (K = "
+              f"{tp.sites} sites), as the paper's Table 7 sweeps 0.1–0.9 with 6 sites: SoftPull stays a convex "
+              "combination, and below 1/K each other site's model weighs more than the site's own. "
+              "(`fedsm simulate` and the main runs accept only lam ≥ 1/K; a requested lam equal to the main runs' "
+              f"lam, {tables.fmt(max(tp.lam, one_over_k), digits=3)}, is read from the main FedSM runs.) "
+              f"\"lam used\" is the value SoftPull used, as recorded by the runs; seeds "
+              f"{', '.join(map(str, preset.analysis_seeds))}.", ""]
+    lines += _table(["lam requested", "lam used", "routed Dice", "personalized (oracle)", "global alone", "seeds"],
+                    [[f"{r['lam']:.2f}", _lam_used(r), _ms(r["routed"]), _ms(r["oracle"]),
                       _ms(r["global_only"]), ", ".join(map(str, r["seeds"])) or "not run"] for r in lam])
+    lines += provenance_line([k for r in lam for k in r["keys"]], docs)
     path, rel = img(f"lam-{task_name}.png")
     if plots.plot_lam(lam, task_name, path):
         lines += ["", f"![{task_name} lam sweep]({rel})"]
@@ -170,6 +246,8 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
                               _ms(r["own_share"], 2)] for r in unseen["participating_rows"]])
     elif not part:
         lines += ["Not run or not completed."]
+    lines += provenance_line([k for k in results if k.task == task_name and (
+        (k.analysis == "main" and k.method == "fedsm") or k.analysis == "unseen")], docs, "this section's tables")
     path, rel = img(f"gamma-{task_name}.png")
     if plots.plot_gamma(part, unseen.get("unseen_rows", []), unseen.get("site"), task_name, path):
         lines += ["", f"![{task_name} gamma]({rel})"]
@@ -183,14 +261,17 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
                     [[T.get(r["method"], r["method"]), _ms(r["routed"]), _ms(r["oracle"]), _ms(r["global_only"]),
                       _ms(r["selector_accuracy"], 3), tables.fmt(r["wall_s"][0], digits=0),
                       ", ".join(map(str, r["seeds"])) or "not run"] for r in pers])
+    lines += provenance_line([k for r in pers for k in r["keys"]], docs)
     path, rel = img(f"personalization-{task_name}.png")
     if plots.plot_bars(pers, "routed", T, f"{task_name}: personalization inside FedSM", "routed Dice", path):
         lines += ["", f"![{task_name} personalization]({rel})"]
     return lines
 
 
-def _perf_section(results: dict[JobKey, dict[str, Any]]) -> list[str]:
-    perf = next((r for k, r in results.items() if k.analysis == "perf"), None)
+def _perf_section(results: dict[JobKey, dict[str, Any]],
+                  docs: Mapping[JobKey, dict[str, Any]] | None = None) -> list[str]:
+    perf_key = next((k for k in results if k.analysis == "perf"), None)
+    perf = results[perf_key] if perf_key is not None else None
     lines = ["", "## Speed, traffic and memory", ""]
     if perf is None:
         return [*lines, "Not run or not completed."]
@@ -201,7 +282,8 @@ def _perf_section(results: dict[JobKey, dict[str, Any]]) -> list[str]:
          f"{th.get('device')})",
          f"{th.get('engine_images_per_s', float('nan')):.1f} vs {th.get('hand_images_per_s', float('nan')):.1f} img/s",
          f"{th.get('ratio', float('nan')):.3f} (target ≥ 0.95)"],
-        [f"routed inference vs selector + all {inf.get('models')} U-Nets ({inf.get('image_size')} px)",
+        [f"routed inference vs selector + all {inf.get('models')} U-Nets ({inf.get('image_size')} px, "
+         f"{inf.get('device', 'device not recorded')})",
          f"{1e3 * inf.get('routed_s_per_image', float('nan')):.1f} vs "
          f"{1e3 * inf.get('all_models_s_per_image', float('nan')):.1f} ms/img",
          f"{inf.get('ratio', float('nan')):.3f}"],
@@ -236,6 +318,7 @@ def _perf_section(results: dict[JobKey, dict[str, Any]]) -> list[str]:
         lines += ["", f"CUDA with mixed precision: {cuda.get('reason', 'not measured')}."]
     lines += ["", "Throughput repeats (s per round), engine: " + ", ".join(f"{x:.2f}" for x in th.get("engine_s", []))
               + "; hand-written: " + ", ".join(f"{x:.2f}" for x in th.get("hand_s", [])) + "."]
+    lines += provenance_line([perf_key], docs, "these figures")
     return lines
 
 
@@ -259,18 +342,46 @@ def _site_size_lines(preset: BenchPreset) -> list[str]:
     return lines
 
 
-def _read_reading(path: Path) -> str:
+_PRESET_HEADER = re.compile(r"^# Benchmark results: preset `([^`]+)`", re.M)
+
+
+def _read_reading(path: Path, preset_name: str | None = None) -> str:
+    """The hand-written reading of an existing ``results.md``; the default when there is none.
+
+    With ``preset_name``, a reading of a file generated for another preset is not kept: it
+    describes other numbers.
+    """
     try:
         text = path.read_text(encoding="utf-8")
     except OSError:
         return DEFAULT_READING
+    header = _PRESET_HEADER.search(text)
+    if preset_name is not None and header is not None and header.group(1) != preset_name:
+        return (f"_No reading for this preset yet (the previous file was generated for preset "
+                f"`{header.group(1)}`; its reading was dropped)._")
     m = re.search(re.escape(READING_START) + r"\n?(.*?)\n?" + re.escape(READING_END), text, re.S)
     return m.group(1).strip() if m and m.group(1).strip() else DEFAULT_READING
 
 
+def _jobs_line(docs: Mapping[JobKey, dict[str, Any]] | None, results: Mapping[JobKey, Any]) -> str:
+    if docs is None:
+        return "- Jobs behind the tables: provenance not available."
+    p = provenance_summary(list(results), docs)
+    if not p["jobs"]:
+        return "- Jobs behind the tables: none completed yet."
+    where, when = _where_when(p)
+    return (f"- Jobs behind the tables: {p['jobs']}, {when}; {where}. Each table below names the machines and "
+            "time span of its own jobs.")
+
+
 def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dict[str, Any],
-           img: Callable[[str], tuple[Path, str]], reading: str = DEFAULT_READING) -> str:
-    """The whole markdown document."""
+           img: Callable[[str], tuple[Path, str]], reading: str = DEFAULT_READING,
+           docs: Mapping[JobKey, dict[str, Any]] | None = None) -> str:
+    """The whole markdown document.
+
+    ``docs`` are the cache documents of ``results`` (for each job's machine and finish time);
+    ``meta`` describes the invocation that regenerated the file.
+    """
     machine, run = meta["machine"], meta["run"]
     planned = meta["planned"]
     done = {k.label for k in results}
@@ -280,13 +391,11 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         "Generated by `fedsm bench` from the cached job results; do not edit by hand except between the "
         "reading markers.", "",
         "## How these numbers were made", "",
-        f"- Command: `{meta.get('command') or 'fedsm bench --preset ' + preset.name}`",
-        f"- Finished: {meta['finished']}; this invocation ran {len(run['ran'])} job(s), reused "
-        f"{len(run['cached'])} cached, {len(run['failed'])} failed, in {run.get('wall_s', 0):.0f} s.",
-        f"- Machine: {machine['platform']}, {machine['processor']}, {machine['cpu_count']} CPU cores visible, "
-        f"torch {machine['torch']} with {machine['torch_threads']} thread(s), device {machine['device']}"
-        + (f" ({machine['gpu']})" if machine.get("gpu") else "")
-        + f"; load average at start {machine.get('load_average_at_start')}.",
+        _jobs_line(docs, results),
+        f"- Latest invocation (regenerated this file): `{meta.get('command') or 'fedsm bench --preset ' + preset.name}`"
+        f", finished {meta['finished']}; it ran {len(run['ran'])} job(s), reused "
+        f"{len(run['cached'])} cached, {len(run['failed'])} failed, in {run.get('wall_s', 0):.0f} s, on "
+        f"{machine_label(machine)}; load average at start {machine.get('load_average_at_start')}.",
         f"- Preset: {preset.description}.",
         f"- Seeds: main comparison {', '.join(map(str, preset.seeds))}; analyses "
         f"{', '.join(map(str, preset.analysis_seeds))}; data seed {preset.data_seed} (the same synthetic data for "
@@ -312,12 +421,12 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
               "0.8710, FedProx 0.8434, Scaffold 0.8141, FedSM 0.8914, FedSM-extra 0.8905; prostate — Centralized "
               "0.8737, FedAvg 0.8684, FedSM 0.8763.", ""]
     for tp in preset.tasks:
-        lines += _main_section(results, preset, tp.task, img)
+        lines += _main_section(results, preset, tp.task, img, docs)
         lines.append("")
     lines += ["## Analyses"]
     for tp in preset.tasks:
-        lines += _analysis_sections(results, preset, tp.task, img)
-    lines += _perf_section(results)
+        lines += _analysis_sections(results, preset, tp.task, img, docs)
+    lines += _perf_section(results, docs)
     lines += ["", "## Configuration", "", "```json", json.dumps(preset.to_json(), indent=1), "```", ""]
     return "\n".join(lines)
 
@@ -330,14 +439,16 @@ def write_report(cache: ResultCache, preset: BenchPreset, meta: dict[str, Any], 
     img_dir = Path(img_dir) if img_dir is not None else out_dir / img_prefix
     img_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / "results.md"
-    results = collect(cache, preset, settings_for)
+    docs = collect_docs(cache, preset, settings_for)
+    results = {k: doc["result"] for k, doc in docs.items()}
 
     def img(name: str) -> tuple[Path, str]:
         return img_dir / name, f"{img_prefix}/{name}"
 
-    reading = _read_reading(target) if preserve_reading else DEFAULT_READING
-    write_text_atomic(target, render(results, preset, meta, img, reading))
+    reading = _read_reading(target, preset.name) if preserve_reading else DEFAULT_READING
+    write_text_atomic(target, render(results, preset, meta, img, reading, docs))
     return target
 
 
-__all__ = ["ALL_TASKS", "collect", "render", "write_report"]
+__all__ = ["ALL_TASKS", "collect", "collect_docs", "provenance_line", "provenance_summary", "render",
+           "write_report"]

@@ -38,7 +38,7 @@ def lam_label(lam: float) -> str:
 
 def plan_jobs(preset: BenchPreset) -> list[JobKey]:
     """Every job of ``preset`` in the order they run."""
-    from engine.bench.jobs import effective_lam
+    from engine.bench.jobs import effective_lam, sweep_lam
 
     jobs: list[JobKey] = []
     if preset.perf:
@@ -56,26 +56,41 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
         for tp in preset.tasks:
             main_lam = effective_lam(tp.lam, tp.sites)
             for lam in preset.lam_values:
-                # the main run already trained FedSM with this lam and seed
-                if abs(effective_lam(lam, tp.sites) - main_lam) < 1e-9 and seed in preset.seeds:
+                # the main run already trained FedSM with this lam and seed (sweep values below 1/K
+                # are trained as given, the main runs' lam is raised to 1/K: see jobs.sweep_lam)
+                if abs(sweep_lam(lam) - main_lam) < 1e-9 and seed in preset.seeds:
                     continue
                 jobs.append(JobKey(tp.task, "lam", lam_label(lam), seed))
     return jobs
 
 
+def _load_average() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def machine_info(device: str, threads: int) -> dict[str, Any]:
-    """Where the benchmark ran (recorded in the report)."""
+    """Where the benchmark ran (recorded in the report and in every job's cache entry)."""
     import torch
 
     from engine.fl.local_training import Device
 
     dev = Device.resolve(device)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    load = _load_average()
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "torch_threads": threads, "device": str(dev.torch_device), "mixed_precision": dev.amp,
             "gpu": torch.cuda.get_device_name(0) if dev.torch_device.type == "cuda" else None,
-            "load_average_at_start": [round(x, 2) for x in load] if load else None}
+            "load_average_at_start": load}
+
+
+def machine_label(machine: dict[str, Any] | None) -> str:
+    """One-line description of a :func:`machine_info` dict (without the load, which changes by the minute)."""
+    if not machine:
+        return "machine not recorded"
+    gpu = f" ({machine['gpu']})" if machine.get("gpu") else ""
+    return (f"{machine.get('platform')}, {machine.get('processor')}, {machine.get('cpu_count')} CPU cores visible, "
+            f"torch {machine.get('torch')} with {machine.get('torch_threads')} thread(s), "
+            f"device {machine.get('device')}{gpu}")
 
 
 def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, device: str = "auto",
@@ -150,7 +165,9 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
             emit({"event": "error", "method": key.method, "message": f"{key.label} failed: {exc}"})
             continue
         result["job_wall_s"] = round(time.perf_counter() - t0, 2)
-        cache.save(key, settings, result)
+        cache.save(key, settings, result, provenance={
+            "machine": machine, "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+            "load_average_at_finish": _load_average(), "command": command})
         summary["ran"].append(key.label)
         avg = result.get("client_average", {})
         if isinstance(avg, dict) and "mean" in avg:

@@ -152,22 +152,30 @@ def gamma_rows(sweeps: list[dict[str, Any]], own: bool) -> list[dict[str, Any]]:
 
 def lam_rows(results: Results, task: str, main_lam: float, sites: int, lam_values: Iterable[float],
              analysis_seeds: Iterable[int]) -> list[dict[str, Any]]:
-    """Per lam: routed, oracle and global-only client-average Dice.
+    """Per requested lam: the lam SoftPull used, routed, oracle and global-only client-average Dice.
 
-    A lam that equals the main runs' lam (after raising it to ``1/K``) is read from the main
-    FedSM runs with the analysis seeds instead of being trained twice.
+    Sweep values are trained as requested, also below ``1/K`` (:func:`engine.bench.jobs.sweep_lam`);
+    ``lam_used`` lists the distinct values the runs recorded (the planned value when none ran).
+    A lam that equals the main runs' lam (raised to ``1/K``) is read from the main FedSM runs
+    with the analysis seeds instead of being trained twice. ``keys`` are the jobs behind a row.
     """
-    from engine.bench.jobs import effective_lam
+    from engine.bench.jobs import effective_lam, sweep_lam
     from engine.bench.runner import lam_label
 
     seeds = set(analysis_seeds)
+    main_used = effective_lam(main_lam, sites)
     rows = []
     for lam in lam_values:
-        used = effective_lam(lam, sites)
+        planned = sweep_lam(lam)
         runs = _select(results, task, "lam", lam_label(lam))
-        if not runs and abs(used - effective_lam(main_lam, sites)) < 1e-9:
+        keys = [JobKey(task, "lam", lam_label(lam), s) for s in sorted(runs)]
+        if not runs and abs(planned - main_used) < 1e-9:
             runs = {s: r for s, r in _select(results, task, "main", "fedsm").items() if s in seeds}
-        rows.append({"lam": lam, "lam_used": used, "seeds": sorted(runs),
+            keys = [JobKey(task, "main", "fedsm", s) for s in sorted(runs)]
+        used = sorted({round(float(r["lam_used"] if "lam_used" in r else r["extra"]["lam"]), 9)
+                       for r in runs.values() if "lam_used" in r or "lam" in r.get("extra", {})})
+        rows.append({"lam": float(lam), "lam_used": used or [planned], "one_over_k": 1.0 / sites,
+                     "seeds": sorted(runs), "keys": keys,
                      "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
                      "oracle": _stat(runs, lambda r: r["extra"]["components"]["personal_oracle"]["client_average"]
                                      ["mean"]),
@@ -180,11 +188,14 @@ def personalization_rows(results: Results, task: str, kinds: Iterable[str],
                          analysis_seeds: Iterable[int]) -> list[dict[str, Any]]:
     """SoftPull (main FedSM with the analysis seeds) and each alternative."""
     seeds = set(analysis_seeds)
-    entries = [("softpull", {s: r for s, r in _select(results, task, "main", "fedsm").items() if s in seeds})]
-    entries += [(f"fedsm-{k}", _select(results, task, "personalization", f"fedsm-{k}")) for k in kinds]
+    entries = [("softpull", "main", "fedsm",
+                {s: r for s, r in _select(results, task, "main", "fedsm").items() if s in seeds})]
+    entries += [(f"fedsm-{k}", "personalization", f"fedsm-{k}",
+                 _select(results, task, "personalization", f"fedsm-{k}")) for k in kinds]
     rows = []
-    for name, runs in entries:
+    for name, analysis, method, runs in entries:
         rows.append({"method": name, "seeds": sorted(runs),
+                     "keys": [JobKey(task, analysis, method, s) for s in sorted(runs)],
                      "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
                      "oracle": _stat(runs, lambda r: r["extra"]["components"]["personal_oracle"]["client_average"]
                                      ["mean"]),

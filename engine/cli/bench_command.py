@@ -1,11 +1,13 @@
 """``fedsm bench``: the paper's comparisons on synthetic multi-site data, plus speed/traffic/memory.
 
     fedsm bench --preset tiny|cpu-small|paper [--out DIR] [--fresh] [--device auto|cpu|cuda]
-                [--threads N] [--docs]
+                [--threads N] [--docs [--force-docs]]
 
 Every finished job is cached under ``OUT/results``; a rerun resumes (``--fresh`` starts over).
 ``OUT/report/results.md`` is always written; ``--docs`` also regenerates the repository's
-``docs/results.md`` and ``docs/img/results/*.png``.
+``docs/results.md`` and ``docs/img/results/*.png``, which only the presets of
+:data:`DOCS_PRESETS` may do unless ``--force-docs`` is given (a smoke-test preset would replace
+the published numbers).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 
 #: The repository's documentation folder (``--docs`` writes there).
 DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
+
+#: Presets whose results may replace ``docs/results.md`` without ``--force-docs``.
+DOCS_PRESETS = ("cpu-small", "paper")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,7 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared machine more threads mostly wait)")
     p.add_argument("--docs", action="store_true",
-                   help="also write docs/results.md and docs/img/results/*.png of this repository")
+                   help="also write docs/results.md and docs/img/results/*.png of this repository "
+                        f"(presets {', '.join(DOCS_PRESETS)} only, unless --force-docs)")
+    p.add_argument("--force-docs", action="store_true",
+                   help="let --docs overwrite docs/results.md with another preset's results")
     p.set_defaults(handler=run_bench)
 
 
@@ -40,8 +48,14 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine import api
     from engine.cli.main import setup_logging
     from engine.cli.progress import TerminalProgress
+    from engine.errors import ConfigError
 
     out = args.out or Path("runs") / f"bench-{args.preset}"
+    if args.docs and args.preset not in DOCS_PRESETS and not args.force_docs:
+        raise ConfigError(
+            f"--docs would replace {DOCS_DIR / 'results.md'} (the published {' / '.join(DOCS_PRESETS)} results) "
+            f"with preset {args.preset!r}; its report is written to {out / 'report' / 'results.md'} anyway "
+            "(choose the folder with --out DIR). Add --force-docs to overwrite the docs regardless.")
     setup_logging(args.verbose, out / "bench.log")
     progress = TerminalProgress(out / "events.jsonl")
     command = "fedsm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None

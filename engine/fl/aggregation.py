@@ -73,21 +73,39 @@ def fedprox_penalty(model: torch.nn.Module, anchor: Mapping[str, torch.Tensor], 
     return 0.5 * mu * total
 
 
-def scaffold_site_control(site_control: Mapping[str, torch.Tensor], server_control: Mapping[str, torch.Tensor],
-                          round_start: Mapping[str, torch.Tensor], trained: Mapping[str, torch.Tensor],
-                          steps: int, lr: float) -> Weights:
-    """Scaffold's site control variate update (option II of Karimireddy et al., 2020).
+def scaffold_site_control(gradient_sum: Mapping[str, torch.Tensor], batches: int,
+                          site_control: Mapping[str, torch.Tensor]) -> Weights:
+    """Scaffold's new site control variate: the mean of the round's uncorrected minibatch gradients.
 
-    ``c_k+ = c_k - c + (x - y_k) / (steps * lr)``, with ``x`` the weights received this round
-    and ``y_k`` the weights after ``steps`` local steps of learning rate ``lr``.
+    ``c_k+ = (1/B) sum_b g_b``, where ``g_b`` is the gradient of the site's loss on minibatch
+    ``b`` at the weights of step ``b``, taken *before* ``c - c_k`` is added, and ``B`` the number
+    of steps it was summed over. This is option I of Karimireddy et al. (2020) (a gradient of the
+    site's loss), with the gradient averaged along the round instead of evaluated once more at
+    the received weights, so it costs nothing extra. Option II,
+    ``c_k - c + (x - y_k) / (steps * lr)``, assumes plain SGD steps ``y <- y - lr (g + c - c_k)``;
+    with Adam the weight change is not ``lr`` times the summed gradients (each Adam step moves
+    about ``lr`` per coordinate whatever the gradient's size), so option II gives a control
+    variate of order 1 per coordinate that swamps the gradients it should correct.
+
+    Parameters
+    ----------
+    gradient_sum
+        Sum over the round's steps of the uncorrected gradient, per parameter (see
+        :class:`engine.fl.local_training.ScaffoldGradients`).
+    batches
+        Number of steps summed. ``0`` (no usable gradient this round) keeps ``site_control``.
+    site_control
+        The site's current ``c_k``; gives the parameter names, and the result when ``batches == 0``.
     """
-    if steps <= 0 or lr <= 0:
-        raise ConfigError(f"Scaffold needs steps > 0 and lr > 0, got steps={steps}, lr={lr}")
-    scale = 1.0 / (steps * lr)
-    return {
-        k: site_control[k] - server_control[k] + (round_start[k] - trained[k]) * scale
-        for k in site_control
-    }
+    if batches < 0:
+        raise ConfigError(f"Scaffold: the number of summed gradients must be >= 0, got {batches}")
+    if set(gradient_sum) != set(site_control):
+        raise WeightsError(
+            f"Scaffold: gradient sum has parameters {sorted(set(gradient_sum) ^ set(site_control))} that the "
+            "control variate lacks, or the reverse")
+    if batches == 0:
+        return {k: v.clone() for k, v in site_control.items()}
+    return {k: (gradient_sum[k] / batches).to(site_control[k].dtype) for k in site_control}
 
 
 def scaffold_server_update(server_control: Mapping[str, torch.Tensor],

@@ -251,6 +251,55 @@ def selector_inputs(images: np.ndarray, size: int) -> np.ndarray:
     return resize_images(images, size)
 
 
+class ScaffoldGradients:
+    """Gradient hook of a Scaffold round: sums the uncorrected minibatch gradients, then corrects them.
+
+    Called after ``backward`` (and after the gradient scaler's unscale on CUDA) and before the
+    optimizer step: it first adds each parameter's gradient -- the gradient of the site's own
+    loss on this minibatch, *before* correction -- to a running sum, then adds ``c - c_k`` to
+    the gradient the optimizer sees. :func:`engine.fl.aggregation.scaffold_site_control` turns
+    the sum into the site's new control variate (the mean gradient of the round).
+
+    A step whose gradient has a NaN/Inf (mixed precision overflow; the gradient scaler skips
+    that step) is left out of the sum and counted in :attr:`skipped`.
+
+    Parameters
+    ----------
+    correction
+        ``c - c_k`` per trainable parameter, on the training device.
+    """
+
+    def __init__(self, correction: Mapping[str, torch.Tensor]) -> None:
+        self.correction = dict(correction)
+        self.sum: dict[str, torch.Tensor] = {}
+        self.batches = 0
+        self.skipped = 0
+
+    def __call__(self, net: torch.nn.Module) -> None:
+        grads = {name: p.grad for name, p in net.named_parameters() if p.grad is not None}
+        finite = bool(torch.stack([torch.isfinite(g).all() for g in grads.values()]).all()) if grads else True
+        if finite:
+            for name, g in grads.items():
+                if name not in self.correction:
+                    continue
+                acc = self.sum.get(name)
+                if acc is None:
+                    self.sum[name] = g.detach().float().clone()
+                else:
+                    acc.add_(g.detach())
+            self.batches += 1
+        else:
+            self.skipped += 1
+        for name, g in grads.items():
+            if name in self.correction:
+                g.add_(self.correction[name])
+
+    def gradient_sum(self) -> Weights:
+        """Sum of the uncorrected gradients per parameter (CPU; zero where there was none)."""
+        return {k: (self.sum[k] if k in self.sum else torch.zeros_like(v, dtype=torch.float32)).detach().cpu()
+                for k, v in self.correction.items()}
+
+
 def train_segmentation_round(
     task: TaskSpec,
     weights: Mapping[str, torch.Tensor],
@@ -260,7 +309,7 @@ def train_segmentation_round(
     ctx: RoundContext,
     *,
     prox_anchor: Mapping[str, torch.Tensor] | None = None,
-    scaffold_correction: Mapping[str, torch.Tensor] | None = None,
+    grad_hook: Callable[[torch.nn.Module], None] | None = None,
 ) -> tuple[Weights, dict[str, float]]:
     """Train one segmentation network for one local round.
 
@@ -268,8 +317,9 @@ def train_segmentation_round(
     ----------
     prox_anchor
         FedProx: the weights received this round; adds ``prox_mu/2 ||w - anchor||^2``.
-    scaffold_correction
-        Scaffold: ``c - c_k`` per parameter, added to every gradient before the Adam step.
+    grad_hook
+        Called with the network after every ``backward``, before the optimizer step (Scaffold:
+        :class:`ScaffoldGradients`, see :func:`train_scaffold_round`).
 
     Returns
     -------
@@ -283,15 +333,6 @@ def train_segmentation_round(
     anchor = None
     if prox_anchor is not None and cfg.prox_mu > 0:
         anchor = {k: v.to(device.torch_device) for k, v in prox_anchor.items()}
-    correction = None
-    if scaffold_correction is not None:
-        correction = {k: v.to(device.torch_device) for k, v in scaffold_correction.items()}
-
-    def add_correction(net: torch.nn.Module) -> None:
-        assert correction is not None
-        for name, param in net.named_parameters():
-            if param.grad is not None:
-                param.grad.add_(correction[name])
 
     batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
     total = 0.0
@@ -306,11 +347,36 @@ def train_segmentation_round(
                 loss = loss + fedprox_penalty(net, anchor, cfg.prox_mu)
             return loss
 
-        loss = learner.step(objective, add_correction if correction is not None else None)
+        loss = learner.step(objective, grad_hook)
         total += loss
         ctx.report(i, len(batches), {"seg": loss})
     return clone_weights(learner.net.state_dict()), {"loss": total / max(len(batches), 1),
                                                      "steps": float(len(batches))}
+
+
+def train_scaffold_round(
+    task: TaskSpec,
+    weights: Mapping[str, torch.Tensor],
+    data: SplitArrays,
+    cfg: LocalTrainingConfig,
+    seed: int,
+    ctx: RoundContext,
+    correction: Mapping[str, torch.Tensor],
+) -> tuple[Weights, ScaffoldGradients, dict[str, float]]:
+    """One Scaffold round: every gradient gets ``correction = c - c_k`` added before the Adam step.
+
+    Returns
+    -------
+    weights, gradients, metrics
+        Trained weights (CPU), the :class:`ScaffoldGradients` of the round (sum and count of the
+        uncorrected minibatch gradients) and the metrics of :func:`train_segmentation_round`.
+    """
+    device = Device.resolve(cfg.device)
+    hook = ScaffoldGradients({k: v.to(device.torch_device) for k, v in correction.items()})
+    trained, metrics = train_segmentation_round(task, weights, data, cfg, seed, ctx, grad_hook=hook)
+    if hook.skipped:
+        metrics["scaffold_skipped_steps"] = float(hook.skipped)
+    return trained, hook, metrics
 
 
 def train_fedsm_round(

@@ -29,8 +29,8 @@ from engine.fl.local_training import (
     LocalTrainingConfig,
     RoundContext,
     best_model_labels,
-    num_local_steps,
     train_fedsm_round,
+    train_scaffold_round,
     train_segmentation_round,
     train_selector_round,
 )
@@ -237,7 +237,10 @@ class Scaffold(FedAvg):
 
     The server keeps ``c``, each site its own ``c_k`` (site state, never sent as such; the site
     sends the change ``c_k+ - c_k``). Every local gradient gets ``c - c_k`` added before the
-    Adam step; ``c_k`` is updated with option II of the paper.
+    Adam step. The new ``c_k+`` is the mean of the site's uncorrected minibatch gradients over
+    the round (option I-like, summed during training at no extra cost), not option II's
+    ``(x - y_k)/(steps * lr)``, which assumes plain SGD steps and has the wrong scale with Adam
+    (see :func:`engine.fl.aggregation.scaffold_site_control`).
     """
 
     name = "scaffold"
@@ -269,11 +272,10 @@ class Scaffold(FedAvg):
         server_c = instructions.weights["control"]
         site_c = site.state.get("scaffold_control") or {k: torch.zeros_like(v) for k, v in server_c.items()}
         correction = subtract(server_c, site_c)
-        weights, metrics = train_segmentation_round(
+        weights, grads, metrics = train_scaffold_round(
             self.task, received, site.train, self.training, self._site_seed(instructions.round, site), ctx,
-            scaffold_correction=correction)
-        steps = num_local_steps(len(site.train.images), self.training)
-        new_c = scaffold_site_control(site_c, server_c, received, weights, steps, self.training.lr)
+            correction)
+        new_c = scaffold_site_control(grads.gradient_sum(), grads.batches, site_c)
         site.state["scaffold_control"] = new_c
         return SiteUpdate({"global": weights, "control_delta": subtract(new_c, site_c)},
                           len(site.train.images), metrics)

@@ -30,3 +30,15 @@ def test_memory_child_reports_round_peak():
     if out["round_peak_rss_mib"] is not None:  # Linux: the high-water mark was reset before the round
         assert out["round_peak_rss_mib"] >= out["rss_before_round_mib"] - 1
         assert out["round_rss_increase_mib"] == pytest.approx(out["round_peak_rss_mib"] - out["rss_before_round_mib"])
+
+
+def test_routed_inference_records_the_resolved_device_not_auto():
+    import torch
+
+    from engine.bench.perf import measure_routed_inference
+
+    out = measure_routed_inference(32, 32, "auto", images=2, repeats=1)
+    assert out["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert out["mixed_precision"] is torch.cuda.is_available()
+    assert out["routed_s_per_image"] > 0 and out["all_models_s_per_image"] > 0
+    assert out["ratio"] == pytest.approx(out["routed_s_per_image"] / out["all_models_s_per_image"])

@@ -94,10 +94,19 @@ def test_fedprox_gradient_is_mu_times_distance():
     assert torch.allclose(net.weight.grad, torch.tensor([[0.5, -1.0]]))
 
 
-def test_scaffold_site_control_option_two():
-    # c_k+ = c_k - c + (x - y)/(steps*lr) = 1 - 0.5 + (2 - 1)/(4*0.25) = 1.5
-    out = scaffold_site_control(w(1.0), w(0.5), w(2.0), w(1.0), steps=4, lr=0.25)
-    assert out["a"].item() == pytest.approx(1.5)
+def test_scaffold_site_control_is_the_mean_gradient():
+    # c_k+ = (sum of the round's uncorrected gradients) / steps = (3, -6)/3 = (1, -2), whatever c_k was
+    out = scaffold_site_control(w(3.0, -6.0), 3, site_control=w(10.0, 10.0))
+    assert torch.allclose(out["a"], torch.tensor([1.0, -2.0]))
+
+
+def test_scaffold_site_control_without_gradients_keeps_c_k_and_checks_keys():
+    kept = scaffold_site_control(w(5.0), 0, site_control=w(0.25))
+    assert kept["a"].item() == pytest.approx(0.25)
+    with pytest.raises(WeightsError):
+        scaffold_site_control({"b": torch.zeros(1)}, 1, site_control=w(0.0))
+    with pytest.raises(ConfigError):
+        scaffold_site_control(w(1.0), -1, site_control=w(0.0))
 
 
 def test_scaffold_server_control_uses_all_sites_in_denominator():

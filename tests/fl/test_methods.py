@@ -95,9 +95,15 @@ def test_update_with_wrong_shape_is_rejected(tiny_training):
 def test_scaffold_updates_control_variates(tiny_training):
     rts = sites(2)
     method = Scaffold(FUNDUS, names(rts), tiny_training, seed=0)
-    state, _ = run_rounds(method, rts, 1)
+    state, records = run_rounds(method, rts, 1)
+    assert records[0].answered == names(rts)
     assert any(float(v.abs().sum()) > 0 for v in state["control"].values())
-    assert "scaffold_control" in rts[0].state
+    # from c = c_k = 0, both sites answering: c = (1/N) sum_k c_k+, each c_k+ a mean gradient
+    c1, c2 = (rt.state["scaffold_control"] for rt in rts)
+    assert set(state["control"]) == set(c1)
+    for key, value in state["control"].items():
+        assert torch.allclose(value, (c1[key] + c2[key]) / 2, atol=1e-7)
+    assert all(bool(torch.isfinite(v).all()) for v in c1.values())
 
 
 def test_fedprox_with_huge_mu_stays_near_the_round_start(tiny_training):
