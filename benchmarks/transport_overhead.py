@@ -21,10 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's engine, also for the app hash the sites pin
 SITES = ("site1", "site2", "site3")
 
 
@@ -74,6 +76,8 @@ datalist = "{datalist}"
 task = "fundus"
 work_dir = "work-{site}"
 poll_interval = {poll}
+device = "cpu"
+threads = 1
 
 [security]
 ca_cert = "pki/ca.pem"
@@ -82,9 +86,89 @@ approved_apps = ["{app}"]
 """)
 
 
-def run(root: Path, insecure: bool, timeout: float) -> dict:
+class CpuMeter:
+    """Cumulative CPU seconds of this process's descendants by component, snapshotted at every round end."""
+
+    ROLES = ("coordinator", "SuperLink", "sites", "SuperNodes")
+
+    def __init__(self, events: Path) -> None:
+        self.events = events
+        self.snapshots: list[dict[str, float]] = []
+        self._cpu: dict[int, tuple[str, float]] = {}
+        self._roles: dict[int, str | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def start(self) -> CpuMeter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _role(self, pid: int) -> str | None:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            return None
+        if "flower.launch superlink" in cmd:
+            return "SuperLink"
+        if "flower.launch supernode" in cmd:
+            return "SuperNodes"
+        if "engine.cli.main server" in cmd:
+            return "coordinator"
+        if "engine.cli.main site" in cmd:
+            return "sites"
+        return None
+
+    def _sample(self) -> None:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            if self._roles.get(pid, "") is None:
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if pid not in self._roles:
+                self._roles[pid] = self._role(pid)
+            role = self._roles[pid]
+            if role is not None:
+                self._cpu[pid] = (role, (int(fields[11]) + int(fields[12])) / self._tick)
+
+    def _totals(self) -> dict[str, float]:
+        out = dict.fromkeys(self.ROLES, 0.0)
+        for role, cpu in self._cpu.values():
+            out[role] += cpu
+        return out
+
+    def _run(self) -> None:
+        ends = 0
+        while not self._stop.wait(0.1):
+            self._sample()
+            try:
+                now = self.events.read_text().count('"event": "round_end"')
+            except OSError:
+                continue
+            if now != ends:
+                ends = now
+                self.snapshots.append(self._totals())
+
+    def per_round(self) -> list[dict[str, float]]:
+        """CPU seconds of each round after the first, by component."""
+        return [{r: b[r] - a[r] for r in self.ROLES} for a, b in
+                zip(self.snapshots, self.snapshots[1:], strict=False)]
+
+
+def run(root: Path, insecure: bool, timeout: float, meter: CpuMeter | None = None) -> dict:
     flag = ["--insecure"] if insecure else []
     procs = []
+    if meter is not None:
+        meter.start()
     try:
         server = subprocess.Popen(fedsm("server", "--config", str(root / "federation.toml"), *flag), cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=(root / "server.err").open("wb"))
@@ -98,6 +182,8 @@ def run(root: Path, insecure: bool, timeout: float) -> dict:
             raise SystemExit(f"the coordinator failed ({code}); see {root / 'server.err'}")
         return json.loads((root / "coord" / "summary.json").read_text())
     finally:
+        if meter is not None:
+            meter.stop()
         for proc in procs:  # by PID
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGTERM)
@@ -123,13 +209,15 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
         prepare(root, args.rounds, args.image_size, args.insecure, args.poll_interval)
         started = time.perf_counter()
-        summary = run(root, args.insecure, args.timeout)
+        meter = CpuMeter(root / "coord" / "events.jsonl") if Path("/proc/self/stat").exists() else None
+        summary = run(root, args.insecure, args.timeout, meter)
         total = time.perf_counter() - started
+        phases = breakdown(root)
 
     print(f"3 sites, FedSM, {args.image_size} px, {'insecure' if args.insecure else 'TLS + site authentication'}, "
-          f"loopback; {os.cpu_count()} CPUs; whole run {total:.1f} s")
-    print(f"{'round':>5} {'wall s':>8} {'slowest training s':>19} {'overhead s':>11} {'MB to sites':>12} "
-          f"{'MB from sites':>14}")
+          f"loopback; {os.cpu_count()} CPUs; one torch thread per site; whole run {total:.1f} s")
+    print(f"{'round':>5} {'wall s':>7} {'train s':>8} {'overhead s':>11} {'MB to':>7} {'MB from':>8} | "
+          f"{'encode':>6} {'down':>5} {'site':>5} {'up':>5} {'agg':>5}")
     overheads = []
     for r in summary["rounds"]:
         slowest = max(r["train_s"].values())
@@ -137,17 +225,53 @@ def main() -> None:
         note = "  (includes loading data, warm-up)" if r["round"] == 1 else ""
         if r["round"] > 1:
             overheads.append(overhead)
-        print(f"{r['round']:>5} {r['wall_s']:>8.2f} {slowest:>19.2f} {overhead:>11.2f} "
-              f"{r['bytes_to_sites'] / 1e6:>12.1f} {r['bytes_from_sites'] / 1e6:>14.1f}{note}")
+        p = phases.get(r["round"], {})
+        parts = " ".join(f"{p.get(k, float('nan')):>{w}.2f}" for k, w in
+                         (("encode", 6), ("down", 5), ("site", 5), ("up", 5), ("agg", 5)))
+        print(f"{r['round']:>5} {r['wall_s']:>7.2f} {slowest:>8.2f} {overhead:>11.2f} "
+              f"{r['bytes_to_sites'] / 1e6:>7.1f} {r['bytes_from_sites'] / 1e6:>8.1f} | {parts}{note}")
     if overheads:
         print(f"transport overhead after round 1: median {statistics.median(overheads):.2f} s, "
               f"max {max(overheads):.2f} s per round (target <= 3 s)")
-    print("knobs: SuperNode message poll capped at --poll-interval (Flower: 3 s) and object-pull back-off "
-          "20-200 ms (Flower: 1-10 s) via engine/federation/flower/launch.py; same back-off for the ClientApp's "
-          "and the coordinator's pulls (transfer.py); coordinator polls answers every --poll-interval "
-          "(Flower's Grid: 3 s); each model part packed into one flat array per dtype (records.pack: ~20 objects "
-          "per message instead of ~190); parts every site gets packed once per round; answers decoded and checked "
-          "as they arrive; checkpoints written in the background; in-memory SuperLink state.")
+    if meter is not None and meter.per_round():
+        print("CPU seconds per round (rounds 2..): " + "; ".join(
+            f"round {k + 2}: " + ", ".join(f"{role} {cpu[role]:.1f}" for role in CpuMeter.ROLES)
+            for k, cpu in enumerate(meter.per_round())))
+
+
+def breakdown(root: Path) -> dict[int, dict[str, float]]:
+    """Phases of every round (see the module's docstring) from the coordinator's and the sites' events."""
+    from engine.federation.events import read_events
+
+    server = read_events(root / "coord" / "events.jsonl")
+    sites = {s: read_events(root / f"work-{s}" / "events.jsonl") for s in SITES
+             if (root / f"work-{s}" / "events.jsonl").exists()}
+
+    def when(events: list[dict], kind: str, rnd: int, site: str | None = None) -> float | None:
+        for e in events:
+            if e["event"] == kind and e.get("round") == rnd and (site is None or e.get("site") == site):
+                return float(e["time"])
+        return None
+
+    out: dict[int, dict[str, float]] = {}
+    for end in (e for e in server if e["event"] == "round_end"):
+        rnd = end["round"]
+        start = when(server, "round_start", rnd)
+        sent = {s: when(server, "sent", rnd, s) for s in sites}
+        back = {s: when(server, "received", rnd, s) for s in sites}
+        if start is None or any(v is None for v in (*sent.values(), *back.values())):
+            continue
+        last = max(back, key=lambda s: back[s])  # type: ignore[arg-type,return-value]
+        got = when(sites[last], "received", rnd)
+        answered = when(sites[last], "sent", rnd)
+        train = next((e.get("train_s") for e in sites[last] if e["event"] == "metrics" and e.get("round") == rnd),
+                     None)
+        if got is None or answered is None or train is None:
+            continue
+        out[rnd] = {"encode": max(sent.values()) - start, "down": got - sent[last],  # type: ignore[operator]
+                    "site": answered - got - float(train), "up": back[last] - answered,  # type: ignore[operator]
+                    "agg": float(end["time"]) - back[last]}  # type: ignore[operator]
+    return out
 
 
 if __name__ == "__main__":

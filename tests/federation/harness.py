@@ -61,8 +61,11 @@ def fedsm(*args: str) -> list[str]:
 
 
 def wait_for(path: Path, predicate: Callable[[dict[str, Any]], bool], timeout: float,
-             alive: list[subprocess.Popen[bytes]] = ()) -> dict[str, Any]:
-    """The first event in ``path`` that satisfies ``predicate``; fail after ``timeout`` or if a process died."""
+             alive: list[subprocess.Popen[bytes]] = (), poll: float = 0.2) -> dict[str, Any]:
+    """The first event in ``path`` that satisfies ``predicate``; fail after ``timeout`` or if a process died.
+
+    ``poll``: seconds between looks (short where a test must act while something is under way).
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
@@ -72,7 +75,7 @@ def wait_for(path: Path, predicate: Callable[[dict[str, Any]], bool], timeout: f
         for proc in alive:
             if proc.poll() is not None:
                 raise AssertionError(f"{proc.args} exited with {proc.returncode} while waiting for an event in {path}")
-        time.sleep(0.2)
+        time.sleep(poll)
     raise AssertionError(f"no matching event in {path} within {timeout} s; last events: "
                          f"{[e['event'] for e in read_events(path)][-10:] if path.exists() else 'none'}")
 

@@ -1,4 +1,5 @@
-"""End to end on 127.0.0.1: a coordinator killed and resumed, a site killed mid-round, an app a site never approved.
+"""End to end on 127.0.0.1: a coordinator killed and resumed, a site killed mid-round, an app a site never
+approved, a site whose key is not enrolled.
 
 Every ``fedsm server`` and ``fedsm site`` here is a real process, killed with SIGKILL where the
 test says so; all are stopped by PID at the end.
@@ -6,10 +7,14 @@ test says so; all are stopped by PID at the end.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from fed_fixtures import TRAINING, fed_data, pki, simulated_supermodel  # noqa: F401
 from harness import LoopbackFederation, Processes, max_abs_difference, wait_for
 
+from engine.federation.checkpoint import Checkpoint
 from engine.federation.events import read_events
 
 SITES = ["site1", "site2", "site3"]
@@ -47,41 +52,91 @@ def test_killed_coordinator_resumes_to_the_weights_of_an_uninterrupted_run(
 
 
 @pytest.mark.slow
-def test_site_killed_mid_round_is_left_out_and_returns_and_unapproved_app_is_refused(
+def test_site_killed_mid_round_is_left_out_keeps_its_model_and_returns_and_unapproved_app_is_refused(
         fed_data, pki, tmp_path):  # noqa: F811
-    # Prepare: four sites; site4 pins another app hash than the one the coordinator runs
+    # Prepare: FedSM with four sites (2 training rounds + calibration); site4 pins another app hash
     _, datalists = fed_data
     sites = [*SITES, "site4"]
-    training = {**TRAINING, "method": "fedavg", "rounds": 3}
-    fed = LoopbackFederation(tmp_path, pki, datalists, sites, training,
-                             {"min_sites": 2, "rejoin_wait": 120},
+    fed = LoopbackFederation(tmp_path, pki, datalists, sites, TRAINING, {"min_sites": 2, "rejoin_wait": 120},
                              approved={"site4": "sha256:" + "0" * 64})
     procs = Processes()
     try:
-        # Execute: kill site3 as its round-2 instructions go out; start it again once round 2 is over
+        # Execute: kill site3 (SIGKILL, by PID) once it has received round 2 and started training on it
         server = fed.start_server(procs)
         running = {s: fed.start_site(procs, s) for s in sites}
-        wait_for(fed.server_events, lambda e: e["event"] == "sent" and e["site"] == "site3" and e["round"] == 2,
-                 240, [server, *running.values()])
+        checkpoint = fed.work / "checkpoint.safetensors"
+        wait_for(fed.server_events, lambda e: e["event"] == "checkpoint" and e["round"] == 1, 240,
+                 [server, *running.values()])
+        os.link(checkpoint, tmp_path / "after-round-1.safetensors")  # round 2 cannot end while site3 trains
+        wait_for(fed.site_events("site3"), lambda e: e["event"] == "round_start" and e["round"] == 2, 240,
+                 [server, *running.values()], poll=0.02)
         procs.kill(running["site3"])
-        wait_for(fed.server_events, lambda e: e["event"] == "round_end" and e["round"] == 2, 120, [server])
+        killed_events = read_events(fed.site_events("site3"))
+        wait_for(fed.server_events, lambda e: e["event"] == "checkpoint" and e["round"] == 2, 120, [server])
+        os.link(checkpoint, tmp_path / "after-round-2.safetensors")  # round 3 waits for site3 to rejoin
         running["site3"] = fed.start_site(procs, "site3")
         wait_for(fed.server_events, lambda e: e["event"] == "finished", 180, [server])
         assert server.wait(timeout=60) == 0
     finally:
         procs.stop_all()
 
-    # Assert
+    # Assert: site3 really died mid-round: it had received round 2 and not answered it
+    assert any(e["event"] == "received" and e["round"] == 2 for e in killed_events)
+    assert not any(e["event"] == "sent" and e["round"] == 2 for e in killed_events)
+    # ... the round went on without it, and gave it up when its node disconnected, not at round_timeout (240 s)
     ends = {e["round"]: e for e in read_events(fed.server_events) if e["event"] == "round_end"}
     assert ends[1]["answered"] == SITES
     assert ends[2]["answered"] == ["site1", "site2"] and "site3" in ends[2]["left_out"]
-    assert ends[2]["wall_s"] < 120  # given up when its node disconnected, not at round_timeout (240 s)
-    assert ends[3]["answered"] == SITES  # back after it reconnected
+    reason = ends[2]["left_out"]["site3"]  # its node went offline (seen by the coordinator or by the SuperLink)
+    assert "disconnected" in reason or "Node Unavailable" in reason, reason
+    assert ends[2]["wall_s"] < 120
+    # ... it was left out of round 2's aggregation and kept its personalized model, while the others' moved on
+    after_round_1 = Checkpoint.load(tmp_path / "after-round-1.safetensors")
+    after_round_2 = Checkpoint.load(tmp_path / "after-round-2.safetensors")
+    assert after_round_1.round == 1 and after_round_2.round == 2
+    unchanged = after_round_1.state["personal/site3"]
+    assert all(torch.equal(after_round_2.state["personal/site3"][k], v) for k, v in unchanged.items())
+    for site in ("site1", "site2"):
+        assert any(not torch.equal(after_round_2.state[f"personal/{site}"][k], v)
+                   for k, v in after_round_1.state[f"personal/{site}"].items())
+    # ... and it was back in the next round
+    assert ends[3]["answered"] == SITES
+    site3 = read_events(fed.site_events("site3"))
+    assert [e["round"] for e in site3 if e["event"] == "round_end"] == [1, 3]
+    # Assert: site4 refused the app in every round, before its payload was pulled
     for end in ends.values():
         assert "site4 refused app sha256:" in end["left_out"]["site4"]
         assert "not in approved_apps" in end["left_out"]["site4"]
     site4 = read_events(fed.site_events("site4"))
     assert any(e["event"] == "error" and "refused app" in e["message"] for e in site4)
     assert not any(e["event"] in ("received", "batch", "sent") for e in site4)  # nothing ran, nothing was sent
-    site3 = read_events(fed.site_events("site3"))
-    assert [e["round"] for e in site3 if e["event"] == "round_end"] == [1, 3]
+    supernode_log = (tmp_path / "work-site4" / "supernode.log").read_text()
+    assert "Received successfully" not in supernode_log  # the SuperNode never pulled a weight chunk
+
+
+@pytest.mark.slow
+def test_site_with_a_key_that_is_not_enrolled_cannot_join(fed_data, pki, tmp_path):  # noqa: F811
+    # Prepare: the federation has site1 enrolled; a site calls itself site1 but holds site3's key
+    _, datalists = fed_data
+    fed = LoopbackFederation(tmp_path, pki, datalists, ["site1"], {**TRAINING, "method": "fedavg", "rounds": 1},
+                             {"start_timeout": 120})
+    config = fed.site_config("site1")
+    config.write_text(config.read_text().replace("site1.key", "site3.key"))
+    procs = Processes()
+    try:
+        # Execute: wait (bounded) until its SuperNode has been turned away at least once
+        server = fed.start_server(procs)
+        impostor = fed.start_site(procs, "site1")
+        refused = wait_for(fed.site_events("site1"), lambda e: e["event"] == "disconnected", 120, [server, impostor])
+        wait_for(fed.server_events, lambda e: "0 of 1 sites connected" in e.get("message", ""), 30, [server])
+    finally:
+        procs.stop_all()
+
+    # Assert: refused by the coordinator, with a reason that says what to do; never got a task
+    assert "not enrolled" in refused["reason"] and "fedsm enroll" in refused["reason"]
+    site_events = read_events(fed.site_events("site1"))
+    assert not any(e["event"] in ("connected", "received", "round_start", "sent") for e in site_events)
+    server_events = read_events(fed.server_events)
+    assert not any(e["event"] in ("connected", "round_start", "sent") for e in server_events)
+    superlink_log = (fed.work / "superlink.log").read_text()
+    assert "activate-node" in superlink_log and "ApiError:2004" in superlink_log  # refused by the SuperLink

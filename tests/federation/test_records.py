@@ -111,3 +111,21 @@ def test_foreign_arrays_are_refused():
 def test_instruction_without_settings_is_refused():
     with pytest.raises(WeightsError, match="without its 'fedsm' settings"):
         records.decode_instructions(RecordDict({}))
+
+
+def test_packed_arrays_are_standard_npy_and_truncated_ones_are_refused():
+    w = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.tensor([7.0])}
+    record, layout = records.pack(w)
+    # what np.save writes, so any Flower receiver (Array.numpy) reads it too
+    assert np.array_equal(record["float32"].numpy(), np.array([0, 1, 2, 3, 4, 5, 7], dtype=np.float32))
+    assert record["float32"].data == Array(np.array([0, 1, 2, 3, 4, 5, 7], dtype=np.float32)).data
+    back = records.unpack(record, layout, "t")
+    back["a"] += 1  # tensors own their memory: writable, and independent of the received bytes
+    assert torch.equal(records.unpack(record, layout, "t")["a"], w["a"])
+    cut = ArrayRecord({"float32": Array(dtype="float32", shape=(7,), stype="numpy.ndarray",
+                                        data=record["float32"].data[:-4])})
+    with pytest.raises(WeightsError, match="not readable"):
+        records.unpack(cut, layout, "t")
+    garbage = ArrayRecord({"float32": Array(dtype="float32", shape=(7,), stype="numpy.ndarray", data=b"\0" * 64)})
+    with pytest.raises(WeightsError, match="not readable"):
+        records.unpack(garbage, layout, "t")

@@ -25,6 +25,26 @@ from engine.federation.flower import FLOWER_ENV
 
 log = logging.getLogger(__name__)
 
+#: Flower settings a child may inherit from the environment of the FedSM process (a log level
+#: changes nothing but the log). Every other ``FLWR_*`` variable is dropped: Flower reads
+#: dozens of them, some of which open ports or redirect traffic (``FLWR_INTERNAL_GRPC_CONTROL_API``
+#: and ``FLWR_INTERNAL_GRPC_FLEET_API`` start the SuperLink's gRPC Control and Fleet APIs on
+#: their default addresses, beside the front door; ``FLWR_DATABASE`` moves its state,
+#: ``FLWR_SUPERGRID_*`` and ``FLWR_UPDATE_CHECK_URL`` point at other servers,
+#: ``FLWR_PRIVATE_*`` change chunking and concurrency, ``FLWR_TRACING_ENABLED`` and
+#: ``FLWR_ENABLE_EVENT_LOG`` switch on reporting). What a child gets is :data:`FLOWER_ENV` plus
+#: what FedSM passes explicitly.
+INHERITED_FLOWER_VARIABLES = frozenset({"FLWR_LOG_LEVEL"})
+
+
+def child_environment(extra: dict[str, str] | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Flower child: ``base`` (default: this process's) without Flower's
+    own variables, then FedSM's fixed Flower settings, then ``extra``."""
+    inherited = dict(os.environ if base is None else base)
+    clean = {k: v for k, v in inherited.items()
+             if not k.upper().startswith("FLWR_") or k.upper() in INHERITED_FLOWER_VARIABLES}
+    return {**clean, **FLOWER_ENV, **(extra or {})}
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that nothing listens on right now."""
@@ -42,11 +62,20 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None) -> list[str]:
-    """Command line that runs a Flower component under the FedSM launcher."""
+def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None,
+                  approved_apps: list[str] | tuple[str, ...] | None = None, site: str | None = None) -> list[str]:
+    """Command line that runs a Flower component under the FedSM launcher.
+
+    ``approved_apps`` (SuperNode): the app hashes it may serve; anything else is refused
+    before its payload is pulled (:func:`engine.federation.flower.launch.guard_apps`).
+    """
     argv = [sys.executable, "-m", "engine.federation.flower.launch", component, "--parent-pid", str(os.getpid())]
     if poll_interval is not None:
         argv += ["--poll-interval", str(poll_interval)]
+    if approved_apps is not None:
+        argv += ["--approved-apps", ",".join(approved_apps)]
+    if site is not None:
+        argv += ["--site", site]
     return [*argv, "--", *flower_args]
 
 
@@ -64,7 +93,8 @@ class ChildProcess:
     on_line
         Called with each output line (from a reader thread).
     env
-        Extra environment variables.
+        Extra environment variables. The child inherits this process's environment without
+        Flower's own variables (:func:`child_environment`).
     """
 
     def __init__(self, name: str, argv: list[str], log_path: Path, on_line: Callable[[str], None] | None = None,
@@ -73,7 +103,7 @@ class ChildProcess:
         self.argv = argv
         self.log_path = Path(log_path)
         self.on_line = on_line
-        self.env = {**os.environ, **FLOWER_ENV, **(env or {})}
+        self.env = child_environment(env)
         self.proc: subprocess.Popen[bytes] | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=30)
         self._reader: threading.Thread | None = None

@@ -23,9 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CancelledError, FedSMError
-from engine.federation.config import SiteConfig, check_site_files, parse_address
+from engine.errors import CancelledError, ConfigError, FedSMError
+from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
 from engine.federation.events import EventWriter
+from engine.federation.flower.launch import REFUSED_APP
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,15 @@ class SuperNodeSupervisor:
         else:
             args += ["--root-certificates", str(self.cfg.ca_cert), "--auth-supernode-private-key",
                      str(self.cfg.private_key)]
-        return launcher_argv("supernode", args, poll_interval=self.cfg.poll_interval)
+        return launcher_argv("supernode", args, poll_interval=self.cfg.poll_interval,
+                             approved_apps=list(self.cfg.approved_apps), site=self.cfg.name)
 
     def _on_line(self, line: str) -> None:
         text = _ANSI.sub("", line)
-        if "Sent successfully" in text:
+        if text.startswith(REFUSED_APP):
+            # the SuperNode refused a message of an app this site never approved (its payload was not pulled)
+            self.events.error(text[len(REFUSED_APP):].strip())
+        elif "Sent successfully" in text:
             with self._sent:
                 self.sent_count += 1
                 self._sent.notify_all()
@@ -72,6 +77,10 @@ class SuperNodeSupervisor:
             self._set_connected(True)
         elif "Connection attempt failed" in text:
             self._set_connected(False, "lost the connection to the coordinator; retrying")
+        elif "Failed to activate SuperNode" in text and not self.insecure:
+            self._last_error = (f"the coordinator refused this site's key: site {self.cfg.name} is not enrolled there "
+                                "with the public key of [security] private_key; send NAME.pub.pem to the "
+                                "coordinator for 'fedsm enroll' and compare the fingerprints")
         elif "ERROR" in text or "[code:" in text or "Failed" in text:
             self._last_error = text.split(":", 1)[-1].strip() or text
 
@@ -170,14 +179,18 @@ class TaskExecutor:
         return res.token if res.HasField("task") and res.token else None
 
     def run_task(self, token: str) -> None:
-        """Pull the task's message, check the app, answer it, report the task's end."""
+        """Take the task's header, check the app, only then pull the payload and answer; report the task's end.
+
+        An app that is not approved is answered with an error from the task's header alone:
+        its payload is never pulled from the SuperNode, let alone decoded.
+        """
         from flwr.app import Error, Message
         from flwr.common.constant import ErrorCode, SubStatus
         from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
         from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
         from engine.federation.flower.client_app import shareable_reason
-        from engine.federation.flower.transfer import pull_task_input
+        from engine.federation.flower.transfer import pull_task_header, pull_task_message, release_task_message
         from engine.security.approval import AppNotApproved, check_app_approved
 
         client = self._client(token)
@@ -186,21 +199,26 @@ class TaskExecutor:
         context = None
         status, details = SubStatus.FAILED, "ClientApp task failed"
         try:
-            message, context, _run, fab = pull_task_input(client, cancel=self.worker.cancel)
+            task = pull_task_header(client)
+            context, message = task.context, task.message
             self.worker.after_reply = None
             try:
-                check_app_approved(fab.content, self.cfg.approved_apps, self.cfg.name)
-                reply = self.app(message=message, context=context)
-            except CancelledError:
-                raise
+                check_app_approved(task.fab.content, self.cfg.approved_apps, self.cfg.name)
             except AppNotApproved as exc:
+                release_task_message(client, task)
                 self.events.error(str(exc))
                 reply = Message(Error(ErrorCode.INVALID_FAB, shareable_reason(exc, self.cfg.name)), reply_to=message)
-            except Exception as exc:  # any failure becomes an error reply, never a crash of the site
-                log.exception("task failed")
-                self.events.error(f"{type(exc).__name__}: {exc}")
-                reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, shareable_reason(exc, self.cfg.name)),
-                                reply_to=message)
+            else:
+                try:
+                    message = pull_task_message(client, task, cancel=self.worker.cancel)
+                    reply = self.app(message=message, context=context)
+                except CancelledError:
+                    raise
+                except Exception as exc:  # any failure becomes an error reply, never a crash of the site
+                    log.exception("task failed")
+                    self.events.error(f"{type(exc).__name__}: {exc}")
+                    reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                          shareable_reason(exc, self.cfg.name)), reply_to=message)
             push_message(client, reply, context)
             status, details = SubStatus.COMPLETED, ""
         finally:
@@ -213,6 +231,19 @@ class TaskExecutor:
             pending.emit()
 
 
+def check_insecure_allowed(cfg: SiteConfig, insecure: bool) -> None:
+    """Refuse ``--insecure`` unless the coordinator is on this machine's loopback interface.
+
+    Without TLS and site keys anyone on the path could read the weights, pose as the
+    coordinator or as this site; that is acceptable for a demonstration on one machine only.
+    """
+    host, _ = parse_address(cfg.coordinator, str(cfg.path))
+    if insecure and not is_loopback(host):
+        raise ConfigError(f"--insecure is for loopback demonstrations only, but [site] coordinator in {cfg.path} is "
+                          f"{cfg.coordinator}; drop --insecure and set [security] ca_cert and private_key (see "
+                          "docs/federation.md), or use a coordinator on 127.0.0.1")
+
+
 def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, once: bool = False,
              validate: bool = True, stop: Callable[[], bool] | None = None) -> int:
     """Join the federation and serve rounds until stopped (or, with ``once``, until the run finishes).
@@ -223,8 +254,8 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
 
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    check_insecure_allowed(cfg, insecure)
     check_site_files(cfg, secure=not insecure)
-    parse_address(cfg.coordinator, str(cfg.path))
     if not cfg.approved_apps:
         events.status("approved_apps in site.toml is empty: this site will refuse every app; add the hash the "
                       "coordinator announces (fedsm certs app-hash shows this installation's)")

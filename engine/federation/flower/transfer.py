@@ -1,14 +1,17 @@
-"""Prompt message transfers: Flower's object pulls without its 1-10 s back-off.
+"""Prompt message transfers: Flower's object pulls without its 1-10 s back-off, several at a time.
 
 Flower 1.41 announces a message before all of its objects (the weight chunks) have arrived,
 and a receiver that asks too early for an object backs off 1 s, 2 s, 4 s, ... up to 10 s.
 With FedSM's ~50 MB payloads that back-off, not the transfer, dominated a round. Here the
-same pulls retry after 20 ms, doubling up to 200 ms:
+same pulls retry after 20 ms, doubling up to 100 ms, and up to :data:`PULL_WORKERS` objects
+are pulled at once (one request each), so one object's round trip overlaps the next one's:
 
 - :func:`pull_objects_promptly`: the pull loop itself, cancellable, giving up only when a
   transfer stalls;
-- :func:`pull_task_input`: the site's ClientApp process takes its task's message from the
-  local SuperNode (as Flower's ``run_clientapp.pull_task_input`` does, with the prompt pull);
+- :func:`pull_task_header` / :func:`pull_task_message`: the site's ClientApp process takes
+  its task from the local SuperNode in two steps, so that the app is checked (from the task's
+  header: run, FAB, message metadata) before a byte of the payload is pulled or decoded
+  (Flower's ``run_clientapp.pull_task_input`` does both at once);
 - :class:`PromptHttpGrid`: the coordinator's ``Grid``, whose ``pull_messages`` collects
   replies the same way.
 
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from flwr.superlink.grid import HttpGrid
@@ -28,7 +33,9 @@ from engine.errors import CancelledError
 
 #: Seconds before retrying an object that has not arrived yet, doubling up to the cap.
 INITIAL_BACKOFF = 0.02
-BACKOFF_CAP = 0.2
+BACKOFF_CAP = 0.1
+#: Objects pulled at the same time (Flower's SuperNode pulls two at a time).
+PULL_WORKERS = 4
 
 
 class StalledTransfer(Exception):
@@ -36,78 +43,119 @@ class StalledTransfer(Exception):
 
 
 def pull_objects_promptly(object_ids: list[str], pull_object_fn: Callable[[str], bytes], *,
-                          stall_timeout: float = 60.0, cancel: Callable[[], bool] | None = None) -> dict[str, bytes]:
-    """Pull every object, retrying those not there yet after 20 ms (doubling up to 200 ms).
+                          stall_timeout: float = 60.0, cancel: Callable[[], bool] | None = None,
+                          workers: int = PULL_WORKERS) -> dict[str, bytes]:
+    """Pull every object, ``workers`` at a time, retrying those not there yet after 20 ms (up to 100 ms).
+
+    Objects are asked for in the order given (the order in which a sender pushes them and a
+    relay pulls them), a window of ``workers`` at a time: while a window arrives whole the
+    next follows at once; when part of it is not there yet, the pull waits before asking
+    again, so a receiver that is ahead of its sender does not flood the sender with requests.
 
     Gives up (:class:`StalledTransfer`) only when nothing arrived for ``stall_timeout``
     seconds, so a big payload over a slow link is never cut off while it is still moving,
-    and stops at once (:class:`CancelledError`) when ``cancel()`` says so.
+    and stops at once (:class:`CancelledError`) when ``cancel()`` says so. Any other error of
+    ``pull_object_fn`` is raised as it is.
     """
     from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    def attempt(object_id: str) -> bytes | None:
+        try:
+            return pull_object_fn(object_id)
+        except ObjectUnavailableError:
+            return None
 
     got: dict[str, bytes] = {}
     waiting = list(dict.fromkeys(object_ids))
     last_progress = time.monotonic()
     delay = INITIAL_BACKOFF
-    while waiting:
-        before = len(waiting)
-        for object_id in list(waiting):
-            try:
-                got[object_id] = pull_object_fn(object_id)
-                waiting.remove(object_id)
-            except ObjectUnavailableError:
-                continue
-        now = time.monotonic()
-        if len(waiting) < before:
-            last_progress, delay = now, INITIAL_BACKOFF
-            continue
-        if cancel is not None and cancel():
-            raise CancelledError("stopped while receiving a message")
-        if now - last_progress > stall_timeout:
-            raise StalledTransfer(f"{len(waiting)} of {len(object_ids)} parts of a message did not arrive within "
-                                  f"{stall_timeout:g} s")
-        time.sleep(delay)
-        delay = min(2 * delay, BACKOFF_CAP)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pull") if workers > 1 else None
+    try:
+        while waiting:
+            window = waiting[:max(workers, 1)]
+            contents = list(pool.map(attempt, window) if pool is not None and len(window) > 1 else map(attempt, window))
+            arrived = {o: c for o, c in zip(window, contents, strict=True) if c is not None}
+            got.update(arrived)
+            waiting = [o for o in waiting if o not in arrived]
+            now = time.monotonic()
+            if arrived:
+                last_progress, delay = now, INITIAL_BACKOFF
+                if len(arrived) == len(window):
+                    continue
+            if cancel is not None and cancel():
+                raise CancelledError("stopped while receiving a message")
+            if now - last_progress > stall_timeout:
+                raise StalledTransfer(f"{len(waiting)} of {len(object_ids)} parts of a message did not arrive "
+                                      f"within {stall_timeout:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, BACKOFF_CAP)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
     return got
 
 
-def pull_task_input(client: Any, stall_timeout: float = 60.0,
-                    cancel: Callable[[], bool] | None = None) -> tuple[Any, Any, Any, Any]:
-    """``(message, context, run, fab)`` of the task ``client``'s token was issued for."""
-    from flwr.app import Message
-    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
-    from flwr.proto.node_pb2 import Node
+@dataclass
+class TaskHeader:
+    """What the SuperNode says about a ClientApp task before its payload is pulled."""
+
+    context: Any
+    run: Any
+    fab: Any
+    message: Any  # the message's metadata, no content
+    tree: Any  # the message's object tree (object ids only)
+
+
+def pull_task_header(client: Any) -> TaskHeader:
+    """The run, app bundle (FAB), context and message metadata of ``client``'s task: no payload yet."""
+    from flwr.common.serde import context_from_proto, fab_from_proto, message_from_proto, run_from_proto
     from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
-    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
-        make_confirm_message_received_fn_protobuf,
-        make_pull_object_fn_protobuf,
-    )
-    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
     from flwr.supercore.task_identity import TaskIdentity
 
     res = client.PullTaskInput(PullTaskInputRequest())
     TaskIdentity.task_id = res.task_id
     TaskIdentity.run_id = res.run.run_id
     TaskIdentity.node_id = res.context.node_id
-    context = context_from_proto(res.context)
-    run = run_from_proto(res.run)
-    fab = fab_from_proto(res.fab)
     pulled = client.PullMessages(PullAppMessagesRequest())
     if not pulled.messages_list:
         raise RuntimeError("the SuperNode handed out a task without a message")
-    node = Node(node_id=context.node_id)
     tree = pulled.message_object_trees[0]
+    header = message_from_proto(pulled.messages_list[0])
+    # a message's id is its object id, which its deflated form does not carry
+    header.metadata.__dict__["_message_id"] = tree.object_id
+    return TaskHeader(context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab), header,
+                      tree)
+
+
+def pull_task_message(client: Any, task: TaskHeader, stall_timeout: float = 60.0,
+                      cancel: Callable[[], bool] | None = None) -> Any:
+    """Pull and inflate the task's message (its payload) from the SuperNode."""
+    from flwr.app import Message
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+
+    node = Node(node_id=task.context.node_id)
+    tree = task.tree
     contents = pull_objects_promptly([t.object_id for t in iterate_object_tree(tree)],
-                                     make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+                                     make_pull_object_fn_protobuf(client.PullObject, node, task.context.run_id),
                                      stall_timeout=stall_timeout, cancel=cancel)
-    make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id)(tree.object_id)
+    release_task_message(client, task)
     message = inflate_object_from_contents(tree.object_id, contents)
     if not isinstance(message, Message):
         raise TypeError(f"the task's input is a {type(message).__name__}, not a message")
-    # a message's id is its object id, which its deflated form does not carry
     message.metadata.__dict__["_message_id"] = tree.object_id
-    return message, context, run, fab
+    return message
+
+
+def release_task_message(client: Any, task: TaskHeader) -> None:
+    """Tell the SuperNode the task's message was taken, so it drops its copy (pulled or not)."""
+    from flwr.proto.node_pb2 import Node
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_confirm_message_received_fn_protobuf
+
+    make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, Node(node_id=task.context.node_id),
+                                              task.context.run_id)(task.tree.object_id)
 
 
 class PromptHttpGrid(HttpGrid):
