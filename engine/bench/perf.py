@@ -35,7 +35,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-PERF_VERSION = 2
+PERF_VERSION = 3
 PERF_SITES = 6
 PERF_BATCHES = 6
 PERF_REPEATS = 3
@@ -79,7 +79,8 @@ def _sync(device: Any) -> None:
 # --------------------------------------------------------------------------------------------
 def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str, Any], site_index: int,
                              num_sites: int, data: Any, batch_size: int, selector_size: int, lr: float,
-                             selector_lr: float, device: Any, amp: bool) -> list[dict[str, Any]]:
+                             selector_lr: float, device: Any, amp: bool,
+                             fused_adam: bool = False) -> list[dict[str, Any]]:
     """The same work as a FedSM site round, written as the shortest plain PyTorch loop.
 
     Two U-Nets and the selector, each with Adam, one step each per batch (Dice loss for the
@@ -87,6 +88,8 @@ def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str
     loaded at the start and copied back to the CPU at the end, like any real round must. It
     leaves out what the engine adds: seeded batch order, progress events, cancel checks, and
     the selector's BatchNorm running on tracked federation statistics (here: plain train mode).
+    ``fused_adam`` switches Adam to its fused kernel as the engine uses it; the default is what a
+    minimal loop writes (``torch.optim.Adam`` with its defaults).
     """
     import torch
     import torch.nn.functional as F
@@ -100,8 +103,9 @@ def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str
     sel = build_selector(task.in_channels, num_sites)
     sel.load_state_dict(selector)
     models = [m.to(device).train() for m in [*nets, sel]]
-    opts = [torch.optim.Adam(m.parameters(), lr=lr) for m in models[:2]]
-    opts.append(torch.optim.Adam(sel.parameters(), lr=selector_lr))
+    fused = {"fused": True} if fused_adam else {}
+    opts = [torch.optim.Adam(m.parameters(), lr=lr, **fused) for m in models[:2]]
+    opts.append(torch.optim.Adam(sel.parameters(), lr=selector_lr, **fused))
     dice = DiceLoss(sigmoid=True, batch=True)
     small = F.interpolate(torch.from_numpy(data.images), size=(selector_size, selector_size), mode="bilinear",
                           align_corners=False, antialias=True)
@@ -145,26 +149,33 @@ def measure_throughput(size: int, batch_size: int, selector_size: int, device_na
     def engine_round(r: int) -> None:
         train_fedsm_round(FUNDUS, unet, unet, selector, 0, PERF_SITES, data, cfg, r, ctx)
 
-    def hand_round(r: int) -> None:
+    def hand_round(r: int, fused_adam: bool = False) -> None:
         hand_written_fedsm_round(FUNDUS, unet, selector, 0, PERF_SITES, data, batch_size, selector_size, cfg.lr,
-                                 cfg.selector_lr, dev.torch_device, dev.amp)
+                                 cfg.selector_lr, dev.torch_device, dev.amp, fused_adam)
 
-    engine_round(0)  # warm-up of both paths (allocator, MONAI imports, cuDNN autotuning)
-    hand_round(0)
-    engine_s, hand_s = [], []
+    def hand_fused_round(r: int) -> None:
+        hand_round(r, fused_adam=True)
+
+    variants = {"engine": engine_round, "hand": hand_round, "hand_fused": hand_fused_round}
+    for fn in variants.values():  # warm-up of every path (allocator, MONAI imports, cuDNN autotuning)
+        fn(0)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
     for r in range(repeats):
-        for fn, times in ((engine_round, engine_s), (hand_round, hand_s)) if r % 2 == 0 else \
-                ((hand_round, hand_s), (engine_round, engine_s)):
+        # Rotate the order each repeat so a load change on a shared machine hits every path alike.
+        for name in order[r % len(order):] + order[:r % len(order)]:
             _sync(dev.torch_device)
             t0 = time.perf_counter()
-            fn(r + 1)
+            variants[name](r + 1)
             _sync(dev.torch_device)
-            times.append(time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
     n = len(data.images)
-    eng, hand = n / float(np.median(engine_s)), n / float(np.median(hand_s))
+    rate = {name: n / float(np.median(t)) for name, t in times.items()}
     return {"image_size": size, "batch_size": batch_size, "images": n, "device": str(dev.torch_device),
-            "mixed_precision": dev.amp, "engine_images_per_s": eng, "hand_images_per_s": hand,
-            "ratio": eng / hand, "engine_s": engine_s, "hand_s": hand_s}
+            "mixed_precision": dev.amp, "engine_images_per_s": rate["engine"], "hand_images_per_s": rate["hand"],
+            "hand_fused_images_per_s": rate["hand_fused"], "ratio": rate["engine"] / rate["hand"],
+            "ratio_vs_fused_hand": rate["engine"] / rate["hand_fused"], "engine_s": times["engine"],
+            "hand_s": times["hand"], "hand_fused_s": times["hand_fused"]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -282,6 +282,10 @@ def _perf_section(results: dict[JobKey, dict[str, Any]],
          f"{th.get('device')})",
          f"{th.get('engine_images_per_s', float('nan')):.1f} vs {th.get('hand_images_per_s', float('nan')):.1f} img/s",
          f"{th.get('ratio', float('nan')):.3f} (target ≥ 0.95)"],
+        ["same, against the hand-written loop given the engine's fused Adam kernel too",
+         f"{th.get('engine_images_per_s', float('nan')):.1f} vs "
+         f"{th.get('hand_fused_images_per_s', float('nan')):.1f} img/s",
+         f"{th.get('ratio_vs_fused_hand', float('nan')):.3f}"],
         [f"routed inference vs selector + all {inf.get('models')} U-Nets ({inf.get('image_size')} px, "
          f"{inf.get('device', 'device not recorded')})",
          f"{1e3 * inf.get('routed_s_per_image', float('nan')):.1f} vs "

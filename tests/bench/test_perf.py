@@ -42,3 +42,24 @@ def test_routed_inference_records_the_resolved_device_not_auto():
     assert out["mixed_precision"] is torch.cuda.is_available()
     assert out["routed_s_per_image"] > 0 and out["all_models_s_per_image"] > 0
     assert out["ratio"] == pytest.approx(out["routed_s_per_image"] / out["all_models_s_per_image"])
+
+
+def test_throughput_times_every_path_and_reports_both_ratios():
+    from engine.bench.perf import measure_throughput
+
+    out = measure_throughput(32, 2, 32, "cpu", batches=1, repeats=2)
+    for name in ("engine_s", "hand_s", "hand_fused_s"):
+        assert len(out[name]) == 2 and all(t > 0 for t in out[name])
+    assert out["ratio"] == pytest.approx(out["engine_images_per_s"] / out["hand_images_per_s"])
+    assert out["ratio_vs_fused_hand"] == pytest.approx(out["engine_images_per_s"] / out["hand_fused_images_per_s"])
+
+
+
+def test_engine_adam_runs_its_fused_kernel_on_cpu():
+    """The hand-written loop's fused variant is only a fair comparison if the engine is fused too."""
+    import torch
+
+    from engine.fl.local_training import Device, _Learner
+
+    learner = _Learner(torch.nn.Linear(3, 2), 1e-3, Device.resolve("cpu"))
+    assert learner.opt.defaults["fused"] is True
