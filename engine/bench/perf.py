@@ -286,13 +286,28 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
 # 4. peak memory (each measurement in its own process)
 # --------------------------------------------------------------------------------------------
 def _memory_child(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
-    import resource
     import tracemalloc
 
     import torch
 
     torch.set_num_threads(1)
+    was_tracing = tracemalloc.is_tracing()
     tracemalloc.start()
+    try:
+        return _measure_round_memory(kind, size, batch_size, selector_size, images)
+    finally:
+        # Left on, tracemalloc slows every later allocation of the process ~100x (a caller
+        # running this in-process, such as a test, would pay it for the rest of its life).
+        if not was_tracing:
+            tracemalloc.stop()
+
+
+def _measure_round_memory(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
+    import resource
+    import tracemalloc
+
+    import torch
+
     from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
     from engine.fl.weights import model_weights
     from engine.models import build_segmentation_net, build_selector

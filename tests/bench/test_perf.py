@@ -24,7 +24,10 @@ def test_traffic_counts_the_three_networks():
 
 
 def test_memory_child_reports_round_peak():
+    import tracemalloc
+
     out = _memory_child("fedavg", size=32, batch_size=4, selector_size=32, images=4)
+    assert not tracemalloc.is_tracing()  # left on, it would slow the rest of the process
     assert out["kind"] == "fedavg"
     assert out["process_peak_rss_mib"] > 0
     if out["round_peak_rss_mib"] is not None:  # Linux: the high-water mark was reset before the round
