@@ -287,3 +287,47 @@ def test_enhanced_multiframe_file_reads_like_its_single_frames(tmp_path: Path) -
     np.testing.assert_array_equal(study.array, expected.array)
     np.testing.assert_allclose(study.affine, expected.affine, atol=1e-6)
     assert list_series(tmp_path / "multi")[0].count == 4
+
+
+def _rle_compress(paths: list[Path]) -> None:
+    from pydicom.uid import RLELossless
+
+    for path in paths:
+        ds = pydicom.dcmread(path)
+        ds.compress(RLELossless)
+        ds.save_as(path)
+
+
+def test_compressed_series_decodes_in_parallel_to_the_same_voxels(tmp_path: Path) -> None:
+    paths, _ = write_series(tmp_path / "s", slices=6)
+    _edit(paths, RescaleSlope="2", RescaleIntercept="-5")
+    expected = open_study(tmp_path / "s").array
+    _rle_compress(paths)
+    events: list[dict] = []
+    study = open_study(tmp_path / "s", progress=events.append)
+    np.testing.assert_array_equal(study.array, expected)
+    assert [e["done"] for e in events if "done" in e] == [1, 2, 3, 4, 5, 6]
+
+
+def test_compressed_series_cancel_stops_the_decoders(tmp_path: Path) -> None:
+    paths, _ = write_series(tmp_path / "s", slices=6)
+    _rle_compress(paths)
+    calls = iter(range(100))
+    with pytest.raises(CancelledError):
+        open_study(tmp_path / "s", cancel=lambda: next(calls) >= 9)  # after the scan, during the read
+
+
+def test_compressed_files_gdcm_cannot_read_go_through_pydicom(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.io.dicom_series as dicom_series
+
+    paths, _ = write_series(tmp_path / "s", slices=3)
+    _edit(paths, RescaleSlope="2", RescaleIntercept="-5")
+    expected = open_study(tmp_path / "s").array
+    _rle_compress(paths)
+
+    def gdcm_fails(item: object) -> None:
+        raise RuntimeError("GDCM cannot read this file")
+
+    monkeypatch.setattr(dicom_series, "_sitk_pixels", gdcm_fails)
+    np.testing.assert_array_equal(open_study(tmp_path / "s").array, expected)

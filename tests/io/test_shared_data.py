@@ -66,6 +66,19 @@ def test_dicom_series_equals_simpleitk(folder: Path) -> None:
     np.testing.assert_allclose(study.affine, expected.affine, atol=1e-3)
 
 
+def test_jpeg2000_series_decoded_by_pydicom_equals_gdcm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GDCM decodes single-frame compressed files first (speed); pydicom is the fallback: same voxels
+    import engine.io.dicom_series as dicom_series
+
+    by_gdcm = open_study(TOTALSEG_DICOM).array
+
+    def gdcm_fails(item: object) -> None:
+        raise RuntimeError("GDCM disabled for this test")
+
+    monkeypatch.setattr(dicom_series, "_sitk_pixels", gdcm_fails)
+    np.testing.assert_array_equal(open_study(TOTALSEG_DICOM).array, by_gdcm)
+
+
 def test_extension_less_totalsegmentator_folder_loads_with_its_label_map() -> None:
     assert all(p.suffix == "" or p.suffix[1:].isdigit() for p in TOTALSEG_DICOM.iterdir())
     [info] = list_series(TOTALSEG_DICOM)
