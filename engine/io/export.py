@@ -212,7 +212,7 @@ def read_provenance(path: PathLike) -> Provenance:
     if p.name.endswith(SIDECAR_SUFFIX):
         return Provenance.from_json(p.read_bytes(), str(p))
     fmt = mask_format(p)
-    embedded = _read_embedded(p, fmt)
+    embedded = embedded_provenance(p, fmt)
     if embedded is not None:
         return embedded
     side = sidecar_path(p)
@@ -225,7 +225,7 @@ def read_provenance(path: PathLike) -> Provenance:
     raise DataError(f"{p}: carries no FedSM provenance (and there is no {side.name} beside it)")
 
 
-def _read_embedded(path: Path, fmt: str) -> Provenance | None:
+def embedded_provenance(path: Path, fmt: str) -> Provenance | None:
     if fmt == "nifti":
         import nibabel as nib
 

@@ -318,7 +318,26 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
             names = dict(FUNDUS_NAMES)
         else:
             names = {v: f"label {v}" for v in values[0] if v != 0}
+        names.update(_exported_names(first, set(values[0])))
     return MaskReading(LabelMap(np.ascontiguousarray(label), names, first), values, partial)
+
+
+def _exported_names(path: Path, values: set[int]) -> dict[int, str]:
+    """Label names a mask exported by FedSM carries in its embedded provenance (NIfTI, PNG).
+
+    Only names of values the mask holds; an empty dict for any other file, and for a file whose
+    provenance cannot be read (the mask itself was read fine: its names are a nicety).
+    """
+    from engine.io.export import embedded_provenance, mask_format
+
+    try:
+        fmt = mask_format(path)
+        provenance = embedded_provenance(path, fmt) if fmt in ("nifti", "png") else None
+    except (DataError, ValueError, KeyError, TypeError):
+        return {}
+    if provenance is None:
+        return {}
+    return {value: name for value, name in provenance.labels.items() if value in values and value != 0}
 
 
 def _apply(conv: LabelConvention, raws: list[np.ndarray], where: Path) -> np.ndarray:

@@ -207,9 +207,12 @@ def read_photo(path: PathLike) -> Study:
         if str(exc).startswith(str(p)):
             raise
         raise DataError(f"{p}: {exc}") from exc
-    except (OSError, ValueError, SyntaxError, MemoryError) as exc:
-        raise DataError(f"{p}: the image cannot be decoded ({exc}); the file is damaged or truncated, "
-                        "re-export it as PNG") from exc
+    except (OSError, ValueError, SyntaxError, MemoryError, EOFError, struct.error, ZeroDivisionError,
+            # Pillow's TIFF plugin meets damaged tag tables with KeyError, TypeError or IndexError
+            # (found by tests/io/test_fuzz_readers.py).
+            KeyError, TypeError, IndexError) as exc:
+        raise DataError(f"{p}: the image cannot be decoded ({type(exc).__name__}: {exc}); the file is damaged or "
+                        "truncated, re-export it as PNG") from exc
     description = {"format": fmt.upper(), "mode": mode, "size": f"{width}x{height}"}
     if pages > 1:
         log.warning("%s: has %d pages; using the first", p, pages)

@@ -227,3 +227,22 @@ def test_provenance_json_round_trip_and_refusals() -> None:
         Provenance.from_dict({**data, "images": [{**data["images"][0], "confidence": "high"}]})
     with pytest.raises(DataError, match="not valid JSON"):
         Provenance.from_json("{")
+
+
+# --- names back on re-open -------------------------------------------------------------------------
+
+
+def test_exported_masks_reopen_with_their_label_names(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from engine.io.masks import read_mask
+
+    study = volume_study()
+    out = export_mask(study, labels_for(study, 1), tmp_path / "case_mask.nii.gz", provenance(study.num_slices))
+    assert read_mask(out, study).labels.names == {1: "prostate"}
+    photo = photo_study()
+    prov = replace(provenance(1, task="fundus"), labels={1: "optic disc rim", 2: "optic cup", 3: "absent"})
+    out = export_mask(photo, labels_for(photo), tmp_path / "eye_mask.png", prov)
+    assert read_mask(out, photo).labels.names == {1: "optic disc rim", 2: "optic cup"}  # only values present
+    plain = export_mask(study, labels_for(study, 1), tmp_path / "plain.nii.gz")  # no provenance: generic names
+    assert read_mask(plain, study).labels.names == {1: "label 1"}

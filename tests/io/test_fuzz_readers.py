@@ -14,7 +14,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 from synthetic_dicom import canonical_study, write_series
@@ -89,6 +89,7 @@ SAMPLES = _sample_files()
 
 @FUZZ
 @given(suffix=st.sampled_from(sorted(SAMPLES)), fraction=st.floats(0.0, 1.0), flip=st.integers(0, 10**6))
+@example(suffix=".tif", fraction=0.13790676001749172, flip=783)  # Pillow's TIFF plugin raised TypeError
 def test_truncated_or_corrupted_real_files(suffix: str, fraction: float, flip: int) -> None:
     data = bytearray(SAMPLES[suffix])
     data = data[: int(len(data) * fraction)]
