@@ -691,8 +691,12 @@ def _decode_in_order(items: list[DicomFile],
         return
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    queue: deque[Future[tuple[np.ndarray, bool]]] = deque()
     upcoming = iter(items)
+    # The first file alone: any one-time set-up of a decoder library (GDCM's dictionaries,
+    # pydicom's plugin probing) happens on one thread before several threads use it.
+    check_cancel()
+    yield _decode_file(next(upcoming))
+    queue: deque[Future[tuple[np.ndarray, bool]]] = deque()
     with ThreadPoolExecutor(threads, thread_name_prefix="dicom-decode") as pool:
         try:
             for item in upcoming:
