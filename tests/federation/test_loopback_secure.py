@@ -104,11 +104,13 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
 
 def check_front_door_serves_only_the_fleet_api(port: int, superlink_port: int, pki_dir: Path) -> None:
     """From the sites' side only /v1/fleet/* exists; the SuperLink itself listens on loopback only."""
+    import ssl
+
     from flwr.proto.control_pb2 import ListNodesRequest, StartRunRequest
     from flwr.supercore.control import ControlHttpClient
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
-    ca = str(pki_dir / "ca.pem")
+    ca = ssl.create_default_context(cafile=str(pki_dir / "ca.pem"))
     with httpx.Client(verify=ca, timeout=10) as client:
         for path in ("/v1/control/list-nodes", "/v1/control/start-run", "/v1/runtime/get-nodes",
                      "/v1/runtime/acquire-task", "/docs", "/v1/fleet/../control/list-nodes"):
