@@ -609,52 +609,67 @@ def _native_pixels(item: DicomFile) -> np.ndarray | None:
 
 
 def _decode_file(item: DicomFile) -> tuple[np.ndarray, bool]:
-    """Pixels of a file as ``(frames, rows, cols[, samples])`` and whether the rescale is already applied."""
-    ds = item.dataset
-    if "ModalityLUTSequence" not in ds:
+    """Pixels of a file as ``(frames, rows, cols[, samples])`` and whether the rescale is already applied.
+
+    Uncompressed pixel data is read directly. Otherwise two decoders are tried in turn, pydicom
+    then GDCM (through SimpleITK, which applies the rescale itself), except for the files GDCM
+    goes first on (:func:`_gdcm_first`). Callers silence pydicom's decoder warnings
+    (``warnings.catch_warnings`` is not thread-safe, and files may decode on several threads).
+    """
+    if "ModalityLUTSequence" not in item.dataset:
         pixels = _native_pixels(item)
         if pixels is not None:
             return pixels, False
-        if item.frames == 1 and _is_compressed(item) and (_ushort(ds, "SamplesPerPixel") or 1) == 1:
-            # GDCM decodes JPEG 2000 ~1.5x faster than pydicom's plugins (OpenJPEG through Pillow
-            # or pylibjpeg) and releases the GIL, so a compressed series also decodes in parallel.
-            # Multi-frame files stay with pydicom (their frames may carry their own rescale), and
-            # so do colour files (pydicom's YBR -> RGB conversion is the one the viewer expects).
-            try:
-                return _sitk_pixels(item)[None], True
-            except RuntimeError:
-                pass  # pydicom may still decode it; if not, the error below names the file
-    try:
-        pixels = ds.pixel_array  # callers silence pydicom's decoder warnings (catch_warnings is not thread-safe)
-        if "ModalityLUTSequence" in ds:
-            from pydicom.pixels import apply_modality_lut
-
-            pixels = apply_modality_lut(pixels, ds)
-            rescaled = True
-        else:
-            rescaled = False
-    except Exception as exc:  # no decoder, damaged or truncated pixel data
-        pixels, rescaled = _decode_with_sitk(item, exc), True
+    decoders = [("pydicom", _pydicom_pixels), ("GDCM", _gdcm_pixels)]
+    if _gdcm_first(item):
+        decoders.reverse()
+    failures: list[str] = []
+    for name, decode in decoders:
+        try:
+            pixels, rescaled = decode(item)
+            break
+        except Exception as exc:  # no decoder for the syntax, damaged or truncated pixel data
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    else:
+        ts = _text(getattr(item.dataset, "file_meta", {}), "TransferSyntaxUID")
+        raise DataError(f"{item.path}: the pixel data cannot be decoded ({'; '.join(failures)}; transfer syntax "
+                        f"{ts or 'unknown'}); the file is damaged or truncated — copy the series again or export "
+                        "it uncompressed")
     if item.frames == 1:
         pixels = pixels[None]
     return np.asarray(pixels), rescaled
 
 
-def _decode_with_sitk(item: DicomFile, first_error: BaseException) -> np.ndarray:
-    """GDCM (through SimpleITK) decodes what pydicom cannot; it applies the rescale itself."""
-    try:
-        return _sitk_pixels(item)
-    except RuntimeError as exc:
-        ts = _text(getattr(item.dataset, "file_meta", {}), "TransferSyntaxUID")
-        raise DataError(f"{item.path}: the pixel data cannot be decoded ({type(first_error).__name__}: "
-                        f"{first_error}; transfer syntax {ts or 'unknown'}); the file is damaged or truncated — "
-                        "copy the series again or export it uncompressed") from exc
+def _gdcm_first(item: DicomFile) -> bool:
+    """Whether GDCM decodes this file before pydicom is tried.
+
+    A compressed single-frame greyscale file: GDCM decodes JPEG 2000 ~1.5x faster than pydicom's
+    plugins (OpenJPEG through Pillow, or pylibjpeg) and releases the GIL, so a compressed series
+    also decodes in parallel. Multi-frame files stay with pydicom (their frames may carry their
+    own rescale), and so do colour files (pydicom's YBR -> RGB conversion is the one the viewer
+    expects) and files with a modality LUT (which pydicom applies).
+    """
+    ds = item.dataset
+    return (item.frames == 1 and _is_compressed(item) and (_ushort(ds, "SamplesPerPixel") or 1) == 1
+            and "ModalityLUTSequence" not in ds)
 
 
-def _sitk_pixels(item: DicomFile) -> np.ndarray:
-    """Pixels decoded by GDCM's ImageIO, rescale applied; a single frame as ``(rows, cols[, samples])``.
+def _pydicom_pixels(item: DicomFile) -> tuple[np.ndarray, bool]:
+    """pydicom's ``pixel_array``, with the modality LUT applied when the file has one."""
+    ds = item.dataset
+    pixels = ds.pixel_array
+    if "ModalityLUTSequence" not in ds:
+        return pixels, False
+    from pydicom.pixels import apply_modality_lut
 
-    Raises ``RuntimeError`` when GDCM cannot read the file.
+    return apply_modality_lut(pixels, ds), True
+
+
+def _gdcm_pixels(item: DicomFile) -> tuple[np.ndarray, bool]:
+    """Pixels decoded by GDCM's ImageIO (through SimpleITK) and ``True``: GDCM applies the rescale.
+
+    A single frame comes as ``(rows, cols[, samples])``. Raises ``RuntimeError`` when GDCM cannot
+    read the file.
     """
     import SimpleITK as sitk
 
@@ -665,7 +680,7 @@ def _sitk_pixels(item: DicomFile) -> np.ndarray:
     pixels = sitk.GetArrayFromImage(image)
     if item.frames == 1 and pixels.ndim >= 3 and pixels.shape[0] == 1 and image.GetNumberOfComponentsPerPixel() == 1:
         pixels = pixels[0]
-    return pixels
+    return pixels, True
 
 
 def _is_compressed(item: DicomFile) -> bool:
@@ -676,15 +691,16 @@ def _is_compressed(item: DicomFile) -> bool:
 
 def _decode_in_order(items: list[DicomFile],
                      check_cancel: Callable[[], None]) -> Iterator[tuple[np.ndarray, bool]]:
-    """``_decode_file`` of each item, yielded in order; compressed files several at a time.
+    """``_decode_file`` of each item, yielded in order; files GDCM decodes several at a time.
 
     GDCM decodes a compressed file in C without the GIL, so a few threads overlap the files of
-    a compressed series; uncompressed pixel data is one ``numpy.frombuffer`` and gains nothing. At most
-    ``2 * threads`` decoded files wait in memory. ``check_cancel`` runs before each file is
+    a compressed series; uncompressed pixel data is one ``numpy.frombuffer`` and pydicom's
+    decoders hold the GIL, so neither gains anything. At most ``2 * threads`` decoded files
+    wait in memory. ``check_cancel`` runs before each file is
     handed out; when it raises, the files not yet started are dropped.
     """
     threads = min(DECODE_THREADS, len(items))
-    if threads <= 1 or not any(_is_compressed(item) for item in items):
+    if threads <= 1 or not any(_gdcm_first(item) for item in items):
         for item in items:
             check_cancel()
             yield _decode_file(item)

@@ -331,9 +331,8 @@ def _exported_names(path: Path, values: set[int]) -> dict[int, str]:
     from engine.io.export import embedded_provenance, mask_format
 
     try:
-        fmt = mask_format(path)
-        provenance = embedded_provenance(path, fmt) if fmt in ("nifti", "png") else None
-    except (DataError, ValueError, KeyError, TypeError):
+        provenance = embedded_provenance(path, mask_format(path))  # None for a DICOM SEG or no record
+    except DataError:
         return {}
     if provenance is None:
         return {}

@@ -329,5 +329,5 @@ def test_compressed_files_gdcm_cannot_read_go_through_pydicom(tmp_path: Path,
     def gdcm_fails(item: object) -> None:
         raise RuntimeError("GDCM cannot read this file")
 
-    monkeypatch.setattr(dicom_series, "_sitk_pixels", gdcm_fails)
+    monkeypatch.setattr(dicom_series, "_gdcm_pixels", gdcm_fails)
     np.testing.assert_array_equal(open_study(tmp_path / "s").array, expected)

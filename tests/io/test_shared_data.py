@@ -75,7 +75,7 @@ def test_jpeg2000_series_decoded_by_pydicom_equals_gdcm(monkeypatch: pytest.Monk
     def gdcm_fails(item: object) -> None:
         raise RuntimeError("GDCM disabled for this test")
 
-    monkeypatch.setattr(dicom_series, "_sitk_pixels", gdcm_fails)
+    monkeypatch.setattr(dicom_series, "_gdcm_pixels", gdcm_fails)
     np.testing.assert_array_equal(open_study(TOTALSEG_DICOM).array, by_gdcm)
 
 
