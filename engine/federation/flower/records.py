@@ -17,8 +17,9 @@ A part's tensors are packed into one flat array per dtype (:func:`pack`; the lay
 where each tensor is), because Flower moves every array as separate objects with one HTTP
 request each. Arrays travel as ``.npy`` bytes (Flower's ``numpy.ndarray`` arrays): written
 straight from the tensors into one buffer, and read as a view of the received bytes whose
-header is checked first; no pickle anywhere, and one copy of the values on each side instead
-of three or four. A reply is decoded strictly (:func:`decode_update`): unknown records,
+header is checked first; no pickle anywhere, and two copies of the values when sending (into
+the buffer, then into the immutable ``bytes`` Flower's ``Array`` requires) and one when
+receiving, instead of three or four each. A reply is decoded strictly (:func:`decode_update`): unknown records,
 non-numeric or foreign-byte-order arrays, layouts that do not add up and non-numeric
 metrics are refused before any number is used, and the method's own check (keys, shapes,
 dtypes, NaN/Inf) follows on the server.
