@@ -71,8 +71,10 @@ def _events(args: argparse.Namespace, source: str, site: str | None, path: Path)
 def _server(args: argparse.Namespace) -> int:
     from engine.cli.main import setup_logging
     from engine.federation.config import load_federation_config
+    from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.server import run_server
 
+    keep_freed_memory()
     cfg = load_federation_config(args.config)
     setup_logging(args.verbose, cfg.work_dir / "server.log")
     stop = StopFlag()
@@ -87,8 +89,10 @@ def _server(args: argparse.Namespace) -> int:
 def _site(args: argparse.Namespace) -> int:
     from engine.cli.main import setup_logging
     from engine.federation.config import load_site_config
+    from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.site import run_site
 
+    keep_freed_memory()
     cfg = load_site_config(args.config, check_files=False)
     setup_logging(args.verbose, cfg.work_dir / "site.log")
     stop = StopFlag()

@@ -2,11 +2,12 @@
 
 Usage (by :mod:`engine.federation.flower.processes`, not by hand)::
 
-    python -m engine.federation.flower.launch superlink --parent-pid PID -- <flower-superlink args>
+    python -m engine.federation.flower.launch superlink --parent-pid PID \
+        --fleet-address HOST:PORT [--record-dir DIR] -- <flower-superlink args>
     python -m engine.federation.flower.launch supernode --parent-pid PID --poll-interval S \
         --site NAME --approved-apps sha256:...,sha256:... -- <args>
 
-Three things the plain ``flower-superlink`` / ``flower-supernode`` commands do not do:
+What the plain ``flower-superlink`` / ``flower-supernode`` commands do not do:
 
 - **Parent watchdog.** The child stops (SIGINT, so a SuperNode deactivates itself at the
   coordinator; forced exit after 10 s) as soon as its parent is gone, even if the parent was
@@ -26,11 +27,18 @@ Three things the plain ``flower-superlink`` / ``flower-supernode`` commands do n
   ``FEDSM-REFUSED-APP <reason>`` on the output tells the site process (which reports it as an
   ``error`` event). The site's ClientApp executor checks the same hash again before it pulls a
   task's payload from the SuperNode.
+- **Fleet API alone on the sites' address (SuperLink).** With ``--fleet-address`` the
+  SuperLink serves its whole API on 127.0.0.1 (its ``--fleet-api-address`` port, plain HTTP)
+  and only ``POST /v1/fleet/*`` on the federation's address, with TLS
+  (:mod:`engine.federation.flower.fleet_listener`).
+
+Both components also get the allocator settings of :mod:`engine.federation.flower.memory`.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import sys
@@ -40,6 +48,7 @@ from types import ModuleType
 from typing import Any
 
 import engine.federation.flower  # noqa: F401  (sets Flower's environment first)
+from engine.federation.flower.memory import keep_freed_memory
 
 _GRACE_S = 10.0
 #: Start of the output line by which the SuperNode tells the site process that it refused an app.
@@ -133,6 +142,31 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None) 
     module._pull_and_store_message = guarded
 
 
+def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None) -> None:
+    """Make the SuperLink serve its API on its own port and the Fleet API alone on ``fleet_address``.
+
+    Replaces ``_run_superlink_http_api`` of Flower's SuperLink command (which runs the one
+    FastAPI application with uvicorn) by :func:`engine.federation.flower.fleet_listener.serve`.
+    """
+    from pathlib import Path
+
+    from flwr.supercore.http_logging import get_uvicorn_log_config
+    from flwr.superlink.main import create_app
+
+    from engine.federation.flower.fleet_listener import serve
+
+    host, _, port = fleet_address.rpartition(":")
+
+    def run_http_api(lifespan_config: Any) -> None:
+        app = create_app(lifespan_config, module.SuperLinkLifespan)
+        serve(app, local=(lifespan_config.host, lifespan_config.port), public=(host.strip("[]"), int(port)),
+              ssl_certfile=lifespan_config.ssl_certfile, ssl_keyfile=lifespan_config.ssl_keyfile,
+              log_config=get_uvicorn_log_config(module.console_handler.level),
+              record_dir=None if record_dir is None else Path(record_dir))
+
+    module._run_superlink_http_api = run_http_api
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="engine.federation.flower.launch")
@@ -142,14 +176,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--site", default="this site")
     parser.add_argument("--approved-apps", default=None,
                         help="comma-separated app hashes the SuperNode may serve (default: no check)")
+    parser.add_argument("--fleet-address", default=None,
+                        help="SuperLink: HOST:PORT on which to serve the Fleet API alone (sites' address)")
+    parser.add_argument("--record-dir", default=None, help="SuperLink: write every fleet request body there")
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     flower_args = argv[split + 1:]
 
+    keep_freed_memory()
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True, name="parent-watchdog").start()
     if args.component == "superlink":
         from flwr.superlink.cli import flower_superlink as entry
 
+        if args.fleet_address is not None:
+            _serve_fleet_separately(importlib.import_module("flwr.superlink.cli.flower_superlink"),
+                                    args.fleet_address, args.record_dir)
         sys.argv = ["flower-superlink", *flower_args]
     else:
         from flwr.supernode.cli import flower_supernode as entry

@@ -63,11 +63,14 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 
 def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None,
-                  approved_apps: list[str] | tuple[str, ...] | None = None, site: str | None = None) -> list[str]:
+                  approved_apps: list[str] | tuple[str, ...] | None = None, site: str | None = None,
+                  fleet_address: str | None = None, record_dir: str | None = None) -> list[str]:
     """Command line that runs a Flower component under the FedSM launcher.
 
     ``approved_apps`` (SuperNode): the app hashes it may serve; anything else is refused
     before its payload is pulled (:func:`engine.federation.flower.launch.guard_apps`).
+    ``fleet_address`` (SuperLink): where to serve the Fleet API alone, ``record_dir`` where to
+    write every fleet request body (:mod:`engine.federation.flower.fleet_listener`).
     """
     argv = [sys.executable, "-m", "engine.federation.flower.launch", component, "--parent-pid", str(os.getpid())]
     if poll_interval is not None:
@@ -76,6 +79,10 @@ def launcher_argv(component: str, flower_args: list[str], poll_interval: float |
         argv += ["--approved-apps", ",".join(approved_apps)]
     if site is not None:
         argv += ["--site", site]
+    if fleet_address is not None:
+        argv += ["--fleet-address", fleet_address]
+    if record_dir is not None:
+        argv += ["--record-dir", record_dir]
     return [*argv, "--", *flower_args]
 
 

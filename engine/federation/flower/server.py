@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError, FedSMError
@@ -145,7 +146,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
 
 def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = False, resume: bool = False,
                stop: Callable[[], bool] | None = None,
-               record_fleet: Callable[[str, bytes], None] | None = None) -> dict[str, Any]:
+               record_fleet: Path | None = None) -> dict[str, Any]:
     """Run the coordinator until the last round is done; return the run's summary.
 
     Parameters
@@ -157,7 +158,8 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     stop
         Returns ``True`` when the coordinator should stop (checked while waiting).
     record_fleet
-        Sees every request sites send through the front door (tests, audits).
+        Folder where every request sites send is written (tests, audits; see
+        :func:`engine.federation.flower.fleet_listener.read_recorded`).
     """
     from flwr.common.serde import context_from_proto, run_from_proto
     from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
@@ -168,7 +170,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
 
     from engine.federation.flower.app_bundle import build_app_bundle
     from engine.federation.flower.control import ControlClient
-    from engine.federation.flower.fleet_front import FleetFront
     from engine.federation.flower.server_app import (
         FederationRunner,
         RegisteredSites,
@@ -188,32 +189,32 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     method = build_method(cfg.spec)
     events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {method.total_rounds} rounds; "
                   f"app {app.hash}")
-    ca_pem = None if insecure else cfg.tls.ca_cert.read_bytes()
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
-    superlink = ChildProcess("SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure)),
-                             cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home")})
-    front = FleetFront(cfg.host, cfg.port, f"{'http' if insecure else 'https'}://{address}",
-                       None if insecure else cfg.tls.server_cert, None if insecure else cfg.tls.server_key,
-                       None if insecure else cfg.tls.ca_cert, record=record_fleet)
+    superlink = ChildProcess(
+        "SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure), fleet_address=cfg.address,
+                                   record_dir=None if record_fleet is None else str(record_fleet)),
+        cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home")})
     heartbeat = runtime = control = grid = None
     status, details = "failed", "the coordinator stopped before the run ended"
     try:
         superlink.start()
         superlink.wait_for_port("127.0.0.1", port, timeout=120)
-        front.start()
+        superlink.wait_for_port({"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(cfg.host, cfg.host),
+                                cfg.port, timeout=60)
         events.status(f"sites connect to {cfg.address}" + (" (INSECURE: no TLS, no site authentication)"
                                                            if insecure else ""))
-        control = ControlClient(address, ca_pem)
+        # the SuperLink's loopback listener is plain HTTP (fleet_listener): only this machine reaches it
+        control = ControlClient(address, None)
         directory = (SelfNamedSites(cfg.sites, cfg.poll_interval) if insecure
                      else RegisteredSites(control.register_sites(keys)))
         stale = control.stop_unfinished_runs()
         if stale:
             events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
         control.start_run(app.content)
-        token = _acquire_server_task(address, insecure, ca_pem)
+        token = _acquire_server_task(address, True, None)
         runtime = RuntimeHttpClient.from_server_address(
-            server_address=address, insecure=insecure, root_certificates=ca_pem,
+            server_address=address, insecure=True, root_certificates=None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
                           RuntimeTokenHttpInterceptor(token)])
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(runtime))
@@ -223,7 +224,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         TaskIdentity.task_id = task_input.task_id
         TaskIdentity.run_id = run.run_id
         TaskIdentity.node_id = task_input.context.node_id
-        grid = PromptHttpGrid(address, insecure, ca_pem, token=token)
+        grid = PromptHttpGrid(address, True, None, token=token)
         grid.pull_timeout = min(cfg.round_timeout, 60.0)
         grid.cancel = stop
         grid.set_run(run)
@@ -250,5 +251,4 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
             runtime.close()
         if control is not None:
             control.close()
-        front.stop()
         superlink.stop()

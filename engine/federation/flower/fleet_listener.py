@@ -1,0 +1,184 @@
+"""The SuperLink's two listeners: everything on 127.0.0.1, Flower's Fleet API alone on the sites' address.
+
+Flower 1.41's SuperLink serves its Fleet API (what SuperNodes call), its Control API (start
+runs with any app bundle, register nodes) and its Runtime API (what a ServerApp calls) from
+one FastAPI application on one port. Exposing that port would let anyone who reaches it push
+an app to every site. So the SuperLink process (started by :mod:`.launch`) serves the same
+application twice, in one event loop:
+
+- on ``127.0.0.1:<port>``, whole and in plain HTTP, for the coordinator's own ServerApp and
+  control calls (loopback traffic never leaves the machine; TLS there cost a full encryption
+  and decryption of every weight byte, twice);
+- on the federation's address, with the coordinator's TLS certificate, behind
+  :class:`FleetOnly`: ``POST /v1/fleet/*`` reaches the application, every other request is
+  answered 404 without touching it, and a body larger than ``max_body`` (or of unstated
+  length) is refused before it is read.
+
+SuperNode authentication is the SuperLink's own (every fleet request is signed by the site's
+key and checked against the enrolled keys). Before, a separate front door in the
+coordinator process forwarded the fleet routes to a loopback-only SuperLink; serving them
+from the SuperLink itself saves a hop with two TLS sessions for every byte of every weight
+chunk (~300 MB per FedSM round for three sites), a third of the coordinator's CPU.
+
+``record_dir``: every request body a site sends is also written there (``<n>.bin`` with the
+path in ``<n>.path``), for tests and audits of exactly what leaves the sites.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+FLEET_PREFIX = "/v1/fleet/"
+#: Largest request body accepted: an object chunk is 5 MB in Flower 1.41, plus framing.
+MAX_BODY = 64 * 1024 * 1024
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class FleetOnly:
+    """ASGI wrapper that lets only ``POST /v1/fleet/*`` with a body of known, bounded length through.
+
+    Parameters
+    ----------
+    app
+        The SuperLink's FastAPI application.
+    max_body
+        Largest ``Content-Length`` accepted (413 above it). A request without one (a chunked
+        body) is answered 411: Flower's clients always state the length.
+    record_dir
+        Write every forwarded body there (see the module's docstring).
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_body: int = MAX_BODY,
+                 record_dir: Path | None = None) -> None:
+        self.app, self.max_body, self.record_dir = app, max_body, record_dir
+        self._recorded = 0
+        if record_dir is not None:
+            record_dir.mkdir(parents=True, exist_ok=True)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":  # lifespan: the loopback listener runs the application's
+            return
+        if scope["method"] != "POST" or not scope["path"].startswith(FLEET_PREFIX):
+            await _answer(send, 404, b"not found\n")
+            return
+        length = _content_length(scope)
+        if length is None:
+            await _answer(send, 411, b"a fleet request must state its Content-Length\n")
+            return
+        if length > self.max_body:
+            await _answer(send, 413, b"request body too large\n")
+            return
+        if self.record_dir is not None:
+            receive = self._recording(scope["path"], receive)
+        await self.app(scope, receive, send)
+
+    def _recording(self, path: str, receive: Receive) -> Receive:
+        number = self._recorded
+        self._recorded += 1
+        pieces: list[bytes] = []
+
+        async def recorded() -> MutableMapping[str, Any]:
+            message = await receive()
+            if message["type"] == "http.request":
+                pieces.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    assert self.record_dir is not None
+                    stem = self.record_dir / f"{number:06d}"
+                    stem.with_suffix(".path").write_text(path)
+                    # the .bin appears whole or not at all (a reader globs for it)
+                    stem.with_suffix(".part").write_bytes(b"".join(pieces))
+                    stem.with_suffix(".part").replace(stem.with_suffix(".bin"))
+            return message
+
+        return recorded
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _answer(send: Send, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def read_recorded(record_dir: Path) -> list[tuple[str, bytes]]:
+    """The bodies :class:`FleetOnly` recorded, as (path, body), in the order they arrived."""
+    out = []
+    for body in sorted(record_dir.glob("*.bin")):
+        out.append((body.with_suffix(".path").read_text(), body.read_bytes()))
+    return out
+
+
+def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_certfile: str | None,
+          ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None) -> None:
+    """Serve ``app`` whole on ``local`` and fleet-only on ``public`` until SIGINT or SIGTERM.
+
+    The application's lifespan (which starts and stops the SuperLink's state) runs once,
+    with the loopback listener.
+    """
+    import uvicorn
+
+    class _Quiet(uvicorn.Server):
+        """A server that leaves signals to :func:`serve`."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
+    inner = _Quiet(uvicorn.Config(app, host=local[0], port=local[1], log_config=log_config, access_log=False))
+    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir), host=public[0], port=public[1],
+                                  lifespan="off", log_config=log_config, access_log=False, **tls))
+
+    async def both() -> None:
+        loop = asyncio.get_running_loop()
+        stopped = False
+
+        def stop() -> None:
+            nonlocal stopped
+            # a second signal while stopping forces both servers to close their connections
+            for server in (outer, inner):
+                server.force_exit = stopped
+                server.should_exit = True
+            stopped = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        inner_task = asyncio.create_task(inner.serve())
+        while not inner.started:  # the fleet routes open once the SuperLink's state is up
+            if inner_task.done():
+                await inner_task
+                raise SystemExit("the SuperLink's loopback listener did not start")
+            await asyncio.sleep(0.02)
+        outer_task = asyncio.create_task(outer.serve())
+        done, _ = await asyncio.wait({inner_task, outer_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop()  # whichever ended (a signal, or the fleet port could not be opened), end the other
+        await asyncio.gather(inner_task, outer_task, return_exceptions=True)
+        for task in done:
+            task.result()
+        if not outer.started:
+            raise SystemExit(f"the fleet listener could not open {public[0]}:{public[1]}")
+
+    # uvicorn's own choice of event loop (uvloop when installed: its TLS is much cheaper per byte)
+    with asyncio.Runner(loop_factory=inner.config.get_loop_factory()) as runner:
+        runner.run(both())
