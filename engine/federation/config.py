@@ -7,7 +7,7 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
 
     [federation]
     sites = ["site1", "site2", "site3"]  # order = the selector's label order
-    address = "127.0.0.1:9092"           # where sites connect (the fleet-only front door)
+    address = "127.0.0.1:9092"           # where sites connect (the Fleet API alone)
     work_dir = "coordinator"             # checkpoints, events, results, Flower state
     min_sites = 2                        # a round needs this many answers
     round_timeout = 600                  # seconds a round waits for answers

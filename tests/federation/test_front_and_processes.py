@@ -1,78 +1,16 @@
-"""The fleet-only front door, child processes stopped by PID, and the launcher's watchdog."""
+"""Child processes stopped by PID, and the launcher's watchdog."""
 
 from __future__ import annotations
 
-import http.server
 import subprocess
 import sys
-import threading
 import time
-from typing import ClassVar
 
-import httpx
 import pytest
 
 from engine.errors import FedSMError
-from engine.federation.flower.fleet_front import FleetFront
 from engine.federation.flower.launch import _CappedTime
 from engine.federation.flower.processes import ChildProcess, free_port
-
-
-class _Upstream(http.server.BaseHTTPRequestHandler):
-    seen: ClassVar[list[tuple[str, str, bytes]]] = []
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("content-length", 0)))
-        self.seen.append((self.path, self.headers.get("x-node-signature", ""), body))
-        reply = b"echo:" + body
-        self.send_response(200)
-        self.send_header("content-length", str(len(reply)))
-        self.send_header("x-upstream", "superlink")
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def front():
-    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
-    threading.Thread(target=upstream.serve_forever, daemon=True).start()
-    _Upstream.seen = []
-    recorded: list[tuple[str, bytes]] = []
-    door = FleetFront("127.0.0.1", free_port(), f"http://127.0.0.1:{upstream.server_address[1]}",
-                      record=lambda path, body: recorded.append((path, body)))
-    door.start()
-    yield door, recorded
-    door.stop()
-    upstream.shutdown()
-
-
-def test_front_forwards_fleet_calls_with_their_signature(front):
-    door, recorded = front
-    res = httpx.post(f"http://127.0.0.1:{door.port}/v1/fleet/pull-messages", content=b"abc",
-                     headers={"x-node-signature": "signed"})
-    assert res.status_code == 200 and res.content == b"echo:abc" and res.headers["x-upstream"] == "superlink"
-    assert _Upstream.seen == [("/v1/fleet/pull-messages", "signed", b"abc")]
-    assert recorded == [("/v1/fleet/pull-messages", b"abc")]
-
-
-@pytest.mark.parametrize(("method", "path"), [
-    ("POST", "/v1/control/start-run"), ("POST", "/v1/control/register-node"), ("POST", "/v1/runtime/acquire-task"),
-    ("POST", "/v1/runtime/push-messages"), ("GET", "/docs"), ("GET", "/v1/fleet/pull-messages"),
-    ("POST", "/"), ("PUT", "/v1/fleet/push-object"),
-])
-def test_front_refuses_everything_else_without_asking_the_superlink(front, method, path):
-    door, recorded = front
-    assert httpx.request(method, f"http://127.0.0.1:{door.port}{path}", content=b"x").status_code == 404
-    assert _Upstream.seen == [] and recorded == []
-
-
-def test_front_refuses_a_port_in_use(front):
-    door, _ = front
-    with pytest.raises(FedSMError, match=r"could not listen on 127\.0\.0\.1"):
-        FleetFront("127.0.0.1", door.port, "http://127.0.0.1:1").start()
 
 
 def test_child_is_stopped_by_pid_even_if_it_ignores_sigint(tmp_path):

@@ -3,7 +3,7 @@
 - ``--insecure`` only for a loopback coordinator, at the server and at the site;
 - Flower's settings for every process FedSM starts, and nothing else of Flower's inherited;
 - no run-time installation of app dependencies (checked with Flower's own argument parsers);
-- the front door refuses oversized bodies before reading them;
+- the SuperLink's fleet listener refuses oversized bodies before reading them (test_fleet_listener);
 - an app a site never approved is refused before its payload is pulled, both by the site's
   SuperNode (from the coordinator) and by the site's ClientApp executor (from its SuperNode).
 """
@@ -11,21 +11,19 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
 from engine.errors import ConfigError
 from engine.federation import config as fedconfig
 from engine.federation.events import EventWriter, read_events
 from engine.federation.flower import FLOWER_ENV
-from engine.federation.flower.processes import ChildProcess, free_port
+from engine.federation.flower.processes import ChildProcess
 from engine.security.approval import app_hash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,91 +143,7 @@ def test_superlink_and_supernode_never_install_app_dependencies(tmp_path, monkey
         assert "--approved-apps" in argv  # the SuperNode checks apps before pulling (below)
 
 
-# --- 6. the front door's body limit ----------------------------------------------------
-
-
-class _CountingUpstream:
-    def __init__(self) -> None:
-        import http.server
-        import threading
-
-        seen = self.seen = []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                seen.append(self.rfile.read(int(self.headers.get("content-length", 0))))
-                self.send_response(200)
-                self.send_header("content-length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-
-@pytest.fixture
-def small_front():
-    from engine.federation.flower.fleet_front import FleetFront
-
-    upstream = _CountingUpstream()
-    recorded: list[tuple[str, bytes]] = []
-    door = FleetFront("127.0.0.1", free_port(), upstream.url, record=lambda p, b: recorded.append((p, b)),
-                      max_body=1000)
-    door.start()
-    yield door, upstream, recorded
-    door.stop()
-    upstream.server.shutdown()
-
-
-def test_front_refuses_a_declared_oversized_body_before_reading_it(small_front):
-    door, upstream, recorded = small_front
-    with socket.create_connection(("127.0.0.1", door.port), timeout=10) as sock:
-        # announces a gigabyte, sends none of it: the answer must come at once, not after a read
-        sock.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n")
-        started = time.monotonic()
-        answer = sock.recv(4096)
-    assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
-    assert time.monotonic() - started < 5
-    assert upstream.seen == [] and recorded == []
-
-
-def test_front_bounds_streamed_bodies_and_forwards_those_within_the_limit(small_front):
-    door, upstream, recorded = small_front
-    url = f"http://127.0.0.1:{door.port}/v1/fleet/push-object"
-
-    def chunks(total: int):
-        for _ in range(total // 100):
-            yield b"x" * 100
-
-    # chunked (no content-length): cut off once past the limit
-    assert httpx.post(url, content=chunks(5000), timeout=10).status_code == 413
-    assert httpx.post(url, content=b"y" * 1001, timeout=10).status_code == 413
-    assert upstream.seen == [] and recorded == []
-    # at the limit: forwarded unchanged, over a connection that is kept and reused
-    for _ in range(3):
-        res = httpx.post(url, content=b"z" * 1000, timeout=10)
-        assert res.status_code == 200 and res.content == b"ok"
-    assert httpx.post(url, content=chunks(1000), timeout=10).status_code == 200
-    assert upstream.seen == [b"z" * 1000] * 3 + [b"x" * 1000]
-
-
-def test_front_answers_503_when_the_superlink_is_gone():
-    from engine.federation.flower.fleet_front import FleetFront
-
-    door = FleetFront("127.0.0.1", free_port(), f"http://127.0.0.1:{free_port()}")
-    door.start()
-    try:
-        assert httpx.post(f"http://127.0.0.1:{door.port}/v1/fleet/pull-messages", content=b"x",
-                          timeout=30).status_code == 503
-    finally:
-        door.stop()
-
-
-# --- 7. approval before the payload ----------------------------------------------------
+# --- 6. approval before the payload ----------------------------------------------------
 
 APPROVED_FAB = b"the FedSM app"
 OTHER_FAB = b"somebody else's app"

@@ -4,7 +4,7 @@ One federation run (FedSM, 3 sites, 2 rounds + calibration) checks that
 
 - the final global, selector and personalized weights equal ``fedsm simulate`` with the same
   seeds (max abs difference <= 1e-5): the transport is faithful;
-- every request a site sends to the coordinator (as seen at its front door) holds only weights
+- every request a site sends to the coordinator (as recorded by the SuperLink's fleet listener) holds only weights
   shaped like the models' parameters, counts and metrics: no image, no mask, no file path;
 - the Control and Runtime APIs cannot be reached through the address sites use, and the
   SuperLink listens on the loopback interface only;
@@ -26,6 +26,7 @@ from harness import LoopbackFederation, Processes, max_abs_difference, wait_for
 from engine.errors import CancelledError
 from engine.federation.config import load_federation_config
 from engine.federation.events import EventWriter, read_events
+from engine.federation.flower.fleet_listener import read_recorded
 from engine.federation.flower.processes import free_port
 
 SITES = ["site1", "site2", "site3"]
@@ -46,7 +47,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
     superlink_port = free_port()
     fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"superlink_port": superlink_port})
     cfg = load_federation_config(fed.config)
-    sent_by_sites: list[tuple[str, bytes]] = []
+    sent_by_sites = tmp_path / "sent-by-sites"
     stop = threading.Event()
     outcome: dict[str, object] = {}
 
@@ -54,7 +55,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         try:
             with EventWriter("server", path=fed.server_events) as events:
                 outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set,
-                                                record_fleet=lambda path, body: sent_by_sites.append((path, body)))
+                                                record_fleet=sent_by_sites)
         except BaseException as exc:  # reported by the test thread
             outcome["error"] = exc
 
@@ -65,7 +66,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         server.start()
         sites = [fed.start_site(procs, s) for s in SITES]
         wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, sites)
-        check_front_door_serves_only_the_fleet_api(fed.port, superlink_port, pki)
+        check_sites_address_serves_only_the_fleet_api(fed.port, superlink_port, pki)
         server.join(timeout=300)
         assert not server.is_alive(), "the federation did not finish within 300 s"
         assert "error" not in outcome, outcome.get("error")
@@ -81,7 +82,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
     summary = outcome["summary"]
     assert [r["answered"] for r in summary["rounds"]] == [SITES] * 3
     # Assert: what left the sites
-    check_only_weights_counts_and_metrics_left(sent_by_sites, datalists)
+    check_only_weights_counts_and_metrics_left(read_recorded(sent_by_sites), datalists)
     # Assert: progress events as the desktop app reads them
     for site in SITES:
         events = read_events(fed.site_events(site))
@@ -102,8 +103,8 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
     assert all(e["left_out"] == {} for e in server_events if e["event"] == "round_end")
 
 
-def check_front_door_serves_only_the_fleet_api(port: int, superlink_port: int, pki_dir: Path) -> None:
-    """From the sites' side only /v1/fleet/* exists; the SuperLink itself listens on loopback only."""
+def check_sites_address_serves_only_the_fleet_api(port: int, superlink_port: int, pki_dir: Path) -> None:
+    """From the sites' side only /v1/fleet/* exists; the SuperLink's whole API listens on loopback only."""
     import ssl
 
     from flwr.proto.control_pb2 import ListNodesRequest, StartRunRequest
@@ -116,7 +117,7 @@ def check_front_door_serves_only_the_fleet_api(port: int, superlink_port: int, p
                      "/v1/runtime/acquire-task", "/docs", "/v1/fleet/../control/list-nodes"):
             assert client.post(f"https://127.0.0.1:{port}{path}", content=b"").status_code == 404, path
         assert client.get(f"https://127.0.0.1:{port}/v1/fleet/pull-messages").status_code == 404
-        # a fleet call is forwarded (and refused by the SuperLink: no valid node signature)
+        # a fleet call reaches the SuperLink (and is refused there: no valid node signature)
         assert client.post(f"https://127.0.0.1:{port}/v1/fleet/pull-messages", content=b"").status_code != 404
     # Flower's own control client, pointed at the sites' address, cannot start a run
     control = ControlHttpClient.from_server_address(
@@ -125,9 +126,9 @@ def check_front_door_serves_only_the_fleet_api(port: int, superlink_port: int, p
     with pytest.raises(httpx.HTTPStatusError, match="404"):
         control.StartRun(StartRunRequest())
     control.close()
-    # ... while on the coordinator's loopback interface the Control API answers
+    # ... while on the coordinator's loopback interface (plain HTTP) the Control API answers
     local = ControlHttpClient.from_server_address(
-        f"127.0.0.1:{superlink_port}", False, (pki_dir / "ca.pem").read_bytes(),
+        f"127.0.0.1:{superlink_port}", True, None,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
     assert len(local.ListNodes(ListNodesRequest()).nodes_info) == 3
     local.close()
@@ -162,7 +163,7 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
     from engine.models import build_segmentation_net, build_selector
     from engine.tasks import get_task
 
-    assert requests, "nothing was recorded at the front door"
+    assert requests, "nothing was recorded at the fleet listener"
     objects: dict[str, bytes] = {}
     trees = []
     for path, body in requests:

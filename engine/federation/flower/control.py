@@ -1,7 +1,7 @@
 """Calls to the SuperLink's Control API (loopback only): enrol keys, start and stop runs.
 
 Only the coordinator's own process makes these calls; the Control API is never reachable
-from the sites' side (see :mod:`engine.federation.flower.fleet_front`).
+from the sites' side (see :mod:`engine.federation.flower.fleet_listener`).
 """
 
 from __future__ import annotations

@@ -129,6 +129,14 @@ def read_recorded(record_dir: Path) -> list[tuple[str, bytes]]:
     return out
 
 
+async def _run(server: Any) -> None:
+    """Serve until told to stop; a port that cannot be opened shows as ``server.started`` false."""
+    try:
+        await server.serve()
+    except SystemExit:  # uvicorn exits when it cannot bind (it has logged why)
+        pass
+
+
 def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_certfile: str | None,
           ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None) -> None:
     """Serve ``app`` whole on ``local`` and fleet-only on ``public`` until SIGINT or SIGTERM.
@@ -164,20 +172,21 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop)
-        inner_task = asyncio.create_task(inner.serve())
+        inner_task = asyncio.create_task(_run(inner))
         while not inner.started:  # the fleet routes open once the SuperLink's state is up
             if inner_task.done():
-                await inner_task
-                raise SystemExit("the SuperLink's loopback listener did not start")
+                break
             await asyncio.sleep(0.02)
-        outer_task = asyncio.create_task(outer.serve())
-        done, _ = await asyncio.wait({inner_task, outer_task}, return_when=asyncio.FIRST_COMPLETED)
-        stop()  # whichever ended (a signal, or the fleet port could not be opened), end the other
-        await asyncio.gather(inner_task, outer_task, return_exceptions=True)
-        for task in done:
-            task.result()
+        outer_task = asyncio.create_task(_run(outer) if inner.started else asyncio.sleep(0))
+        await asyncio.wait({inner_task, outer_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopped:  # a port could not be opened or a server failed: end the other one too
+            stop()
+        await asyncio.gather(inner_task, outer_task)
+        if not inner.started:
+            raise SystemExit(f"the SuperLink's loopback listener on {local[0]}:{local[1]} did not start "
+                             "(see the log above)")
         if not outer.started:
-            raise SystemExit(f"the fleet listener could not open {public[0]}:{public[1]}")
+            raise SystemExit(f"the fleet listener could not open {public[0]}:{public[1]} (see the log above)")
 
     # uvicorn's own choice of event loop (uvloop when installed: its TLS is much cheaper per byte)
     with asyncio.Runner(loop_factory=inner.config.get_loop_factory()) as runner:

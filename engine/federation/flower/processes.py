@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 #: changes nothing but the log). Every other ``FLWR_*`` variable is dropped: Flower reads
 #: dozens of them, some of which open ports or redirect traffic (``FLWR_INTERNAL_GRPC_CONTROL_API``
 #: and ``FLWR_INTERNAL_GRPC_FLEET_API`` start the SuperLink's gRPC Control and Fleet APIs on
-#: their default addresses, beside the front door; ``FLWR_DATABASE`` moves its state,
+#: their default addresses, beside the fleet listener; ``FLWR_DATABASE`` moves its state,
 #: ``FLWR_SUPERGRID_*`` and ``FLWR_UPDATE_CHECK_URL`` point at other servers,
 #: ``FLWR_PRIVATE_*`` change chunking and concurrency, ``FLWR_TRACING_ENABLED`` and
 #: ``FLWR_ENABLE_EVENT_LOG`` switch on reporting). What a child gets is :data:`FLOWER_ENV` plus

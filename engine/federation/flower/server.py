@@ -1,8 +1,9 @@
 """``fedsm server``: the coordinator, headless.
 
-Starts a Flower SuperLink as a child process listening on 127.0.0.1 only (TLS with the
-coordinator's certificate and SuperNode authentication, unless ``--insecure``), opens the
-fleet-only front door on the configured address (:mod:`.fleet_front`), registers every
+Starts a Flower SuperLink as a child process that serves its whole API on 127.0.0.1 (plain
+HTTP: only this machine reaches it) and the Fleet API alone on the configured address (TLS
+with the coordinator's certificate and SuperNode authentication, unless ``--insecure``;
+:mod:`.fleet_listener`), registers every
 configured site's enrolled public key, starts a run of the FedSM app bundle through the
 Control API, and runs the ServerApp in this process (the SuperLink's ``process`` isolation:
 no app code is loaded from the bundle, here or at the sites).
