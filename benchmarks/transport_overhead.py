@@ -95,7 +95,6 @@ class CpuMeter:
         self.events = events
         self.snapshots: list[dict[str, float]] = []
         self._cpu: dict[int, tuple[str, float]] = {}
-        self._roles: dict[int, str | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -128,15 +127,12 @@ class CpuMeter:
             if not entry.name.isdigit():
                 continue
             pid = int(entry.name)
-            if self._roles.get(pid, "") is None:
-                continue
             try:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if pid not in self._roles:
-                self._roles[pid] = self._role(pid)
-            role = self._roles[pid]
+            # read every time: a child forked by a site has the site's command line until it execs
+            role = self._role(pid)
             if role is not None:
                 self._cpu[pid] = (role, (int(fields[11]) + int(fields[12])) / self._tick)
 

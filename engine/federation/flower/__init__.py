@@ -18,7 +18,8 @@ Modules: :mod:`.launch` (runs a Flower component as a child with a parent watchd
 :mod:`.processes` (starting, watching and stopping children by PID), :mod:`.records`
 (payloads as Flower records), :mod:`.transfer` (prompt object pulls), :mod:`.app_bundle` (the
 FAB a site approves), :mod:`.control` (control API calls), :mod:`.fleet_listener`
-(the SuperLink's two listeners), :mod:`.memory` (allocator settings for large messages),
+(the SuperLink's two listeners), :mod:`.memory` (allocator settings for large messages), :mod:`.tuning`
+(fewer copies in Flower's message handling),
 :mod:`.server_app`, :mod:`.server`, :mod:`.client_app`, :mod:`.site`.
 """
 
@@ -32,22 +33,3 @@ FLOWER_ENV = {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",  # never `uv sync` an app's dependencies
 }
 os.environ.update(FLOWER_ENV)
-
-
-def _read_responses_in_large_pieces() -> None:
-    """Let Flower's HTTP clients read a response 1 MB at a time instead of 64 KB.
-
-    Every weight chunk a SuperNode or the ServerApp pulls is a 5 MB response; httpcore reads
-    it with 80 socket reads and as many parser steps by default. ``READ_NUM_BYTES`` is the
-    class attribute httpcore itself reads for that size; if a later httpcore drops it, this
-    does nothing.
-    """
-    try:
-        from httpcore._sync.http11 import HTTP11Connection
-    except ImportError:
-        return
-    if hasattr(HTTP11Connection, "READ_NUM_BYTES"):
-        HTTP11Connection.READ_NUM_BYTES = 1 << 20
-
-
-_read_responses_in_large_pieces()

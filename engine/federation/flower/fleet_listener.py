@@ -20,6 +20,9 @@ coordinator process forwarded the fleet routes to a loopback-only SuperLink; ser
 from the SuperLink itself saves a hop with two TLS sessions for every byte of every weight
 chunk (~300 MB per FedSM round for three sites), a third of the coordinator's CPU.
 
+Both hand the application each request body in one piece
+(:class:`engine.federation.flower.request_body.WholeBody`).
+
 ``record_dir``: every request body a site sends is also written there (``<n>.bin`` with the
 path in ``<n>.path``), for tests and audits of exactly what leaves the sites.
 """
@@ -153,9 +156,12 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
         def capture_signals(self) -> Iterator[None]:
             yield
 
+    from engine.federation.flower.request_body import WholeBody
+
     tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
-    inner = _Quiet(uvicorn.Config(app, host=local[0], port=local[1], log_config=log_config, access_log=False))
-    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir), host=public[0], port=public[1],
+    whole = WholeBody(app)  # Flower's middleware then sees each body as one message
+    inner = _Quiet(uvicorn.Config(whole, host=local[0], port=local[1], log_config=log_config, access_log=False))
+    outer = _Quiet(uvicorn.Config(FleetOnly(whole, record_dir=record_dir), host=public[0], port=public[1],
                                   lifespan="off", log_config=log_config, access_log=False, **tls))
 
     async def both() -> None:

@@ -32,7 +32,10 @@ What the plain ``flower-superlink`` / ``flower-supernode`` commands do not do:
   and only ``POST /v1/fleet/*`` on the federation's address, with TLS
   (:mod:`engine.federation.flower.fleet_listener`).
 
-Both components also get the allocator settings of :mod:`engine.federation.flower.memory`.
+Both components also get the allocator and garbage-collector settings of
+:mod:`engine.federation.flower.memory` and the copy savings of :mod:`engine.federation.flower.tuning`;
+their HTTP APIs read each request body whole before Flower's middleware sees it
+(:mod:`engine.federation.flower.request_body`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ from types import ModuleType
 from typing import Any
 
 import engine.federation.flower  # noqa: F401  (sets Flower's environment first)
-from engine.federation.flower.memory import keep_freed_memory
+from engine.federation.flower import tuning
+from engine.federation.flower.memory import freeze_startup_objects, keep_freed_memory
+from engine.federation.flower.request_body import wrap_supernode_runtime_api
 
 _GRACE_S = 10.0
 #: Start of the output line by which the SuperNode tells the site process that it refused an app.
@@ -159,6 +164,7 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
 
     def run_http_api(lifespan_config: Any) -> None:
         app = create_app(lifespan_config, module.SuperLinkLifespan)
+        freeze_startup_objects()  # again, with the application built
         serve(app, local=(lifespan_config.host, lifespan_config.port), public=(host.strip("[]"), int(port)),
               ssl_certfile=lifespan_config.ssl_certfile, ssl_keyfile=lifespan_config.ssl_keyfile,
               log_config=get_uvicorn_log_config(module.console_handler.level),
@@ -201,7 +207,10 @@ def main(argv: list[str] | None = None) -> None:
             from flwr.supernode import start_client_internal
 
             guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site)
+        wrap_supernode_runtime_api()
         sys.argv = ["flower-supernode", *flower_args]
+    tuning.apply()
+    freeze_startup_objects()
     entry()
 
 

@@ -71,3 +71,25 @@ def keep_freed_memory() -> bool:
     if not applied:
         log.debug("mallopt refused a setting; the allocator keeps its defaults for it")
     return applied
+
+
+#: Allocations between young-generation collections (CPython's default is 700).
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def freeze_startup_objects() -> None:
+    """Keep the objects that exist now out of every later garbage collection, and collect less often.
+
+    Called once a Flower component has imported and built what it serves with (FastAPI
+    application, protobuf descriptors, pydantic models: hundreds of thousands of objects
+    that live as long as the process). Without it, each full collection walks all of them:
+    the SuperLink spent ~1/8 of its CPU in the collector while serving weight chunks.
+    Request handling makes many short-lived containers, so young collections are spaced
+    wider too; reference counting still frees everything that is not in a cycle at once.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)

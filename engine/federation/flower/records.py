@@ -15,14 +15,14 @@ Reply (site -> coordinator)::
 
 A part's tensors are packed into one flat array per dtype (:func:`pack`; the layout says
 where each tensor is), because Flower moves every array as separate objects with one HTTP
-request each. Arrays travel as ``.npy`` bytes (Flower's ``numpy.ndarray`` arrays): written
-straight from the tensors into one buffer, and read as a view of the received bytes whose
-header is checked first; no pickle anywhere, and two copies of the values when sending (into
-the buffer, then into the immutable ``bytes`` Flower's ``Array`` requires) and one when
-receiving, instead of three or four each. A reply is decoded strictly (:func:`decode_update`): unknown records,
-non-numeric or foreign-byte-order arrays, layouts that do not add up and non-numeric
-metrics are refused before any number is used, and the method's own check (keys, shapes,
-dtypes, NaN/Inf) follows on the server.
+request each. Arrays travel as ``.npy`` bytes (Flower's ``numpy.ndarray`` arrays): joined
+straight from the tensors' memory into the immutable ``bytes`` Flower's ``Array`` requires,
+and read as a view of the received bytes whose header is checked first; no pickle anywhere,
+and one copy of the values when sending and one when receiving, instead of three or four
+each. A reply is decoded strictly (:func:`decode_update`): unknown records, non-numeric or
+foreign-byte-order arrays, layouts that do not add up and non-numeric metrics are refused
+before any number is used, and the method's own check (keys, shapes, dtypes, NaN/Inf)
+follows on the server.
 """
 
 from __future__ import annotations
@@ -81,11 +81,9 @@ def _flat_array(parts: list[np.ndarray]) -> Any:
     npy.write_array_header_1_0(head, {"descr": npy.dtype_to_descr(dtype), "fortran_order": False,
                                       "shape": (total,)})
     header = head.getvalue()
-    buffer = bytearray(len(header) + total * dtype.itemsize)
-    buffer[:len(header)] = header
-    if total:
-        np.concatenate(parts, out=np.frombuffer(buffer, dtype=dtype, count=total, offset=len(header)))
-    return Array(dtype=str(dtype), shape=(total,), stype="numpy.ndarray", data=bytes(buffer))
+    # one copy: bytes.join reads the tensors' memory through the buffer protocol
+    data = b"".join([header, *(memoryview(np.ascontiguousarray(part)).cast("B") for part in parts)])
+    return Array(dtype=str(dtype), shape=(total,), stype="numpy.ndarray", data=data)
 
 
 def _flat_values(array: Any, dtype: str, what: str) -> np.ndarray:

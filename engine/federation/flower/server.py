@@ -169,6 +169,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.task_identity import TaskIdentity
 
+    from engine.federation.flower import tuning
     from engine.federation.flower.app_bundle import build_app_bundle
     from engine.federation.flower.control import ControlClient
     from engine.federation.flower.server_app import (
@@ -181,6 +182,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     from engine.federation.flower.transfer import PromptHttpGrid
     from engine.federation.spec import build_method
 
+    tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)

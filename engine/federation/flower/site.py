@@ -250,8 +250,10 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
 
     Returns the process exit status (0 = stopped normally or run finished).
     """
+    from engine.federation.flower import tuning
     from engine.federation.flower.client_app import SiteWorker, build_client_app
 
+    tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_insecure_allowed(cfg, insecure)

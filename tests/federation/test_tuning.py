@@ -1,0 +1,85 @@
+"""The copy savings in Flower's message handling give exactly what Flower's own code gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.federation.flower import records, tuning
+
+
+@pytest.fixture(scope="module")
+def flower_inflate():
+    tuning.apply()
+    tuning.apply()  # idempotent: Flower's own method is still the one kept
+    assert tuning.flower_array_inflate is not None
+    assert getattr(tuning.flower_array_inflate, "__func__", None) is not tuning.inflate_array
+    return tuning.flower_array_inflate.__func__
+
+
+def _deflated(array):
+    """An Array's content and its chunks' objects, as a receiver gets them."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    objects = get_all_nested_objects(array)
+    content = objects.pop(array.object_id).deflate()
+    children = {oid: type(obj).inflate(obj.deflate()) for oid, obj in objects.items()}
+    return content, children
+
+
+@pytest.mark.parametrize("values", [
+    np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32),  # 12 MB: three chunks
+    np.zeros(3_000_000, dtype=np.float32),  # identical chunks share one object id
+    np.arange(10, dtype=np.int64),  # one small chunk
+    np.array([], dtype=np.float32),  # no data at all
+])
+def test_joined_inflation_equals_flowers(flower_inflate, values):
+    from flwr.app import Array
+
+    content, children = _deflated(Array(values))
+    ours = tuning.inflate_array(Array, content, children)
+    theirs = flower_inflate(Array, content, children)
+    assert type(ours.data) is bytes and ours.data == theirs.data
+    assert (ours.dtype, ours.shape, ours.stype) == (theirs.dtype, theirs.shape, theirs.stype)
+    assert ours.object_id == theirs.object_id == Array(values).object_id
+    np.testing.assert_array_equal(ours.numpy(), values)
+
+
+def test_joined_inflation_refuses_children_that_do_not_match(flower_inflate):
+    from flwr.app import Array
+
+    content, children = _deflated(Array(np.arange(5, dtype=np.float32)))
+    other_content, other_children = _deflated(Array(np.arange(6, dtype=np.float32)))
+    with pytest.raises(ValueError, match="Unexpected set of `children`"):
+        tuning.inflate_array(Array, content, other_children)
+    with pytest.raises(ValueError, match="Unexpected set of `children`"):
+        tuning.inflate_array(Array, content, {**children, **other_children})
+
+
+def test_a_whole_message_round_trips_through_flower_with_the_joined_inflation(flower_inflate, monkeypatch):
+    from flwr.app import Array, Message, RecordDict
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_task_id", 1), ("_run_id", 7), ("_node_id", 5)):  # as a ServerApp has them
+        monkeypatch.setattr(TaskIdentity, name, value, raising=False)
+    assert Array.inflate.__func__ is tuning.inflate_array
+    weights = {"a": torch.randn(2_000_000), "b": torch.arange(7), "c": torch.tensor([True, False])}
+    message = Message(RecordDict(records.weights_records({"global": weights})), dst_node_id=5,
+                      message_type="train", ttl=100)
+    objects = {oid: obj.deflate() for oid, obj in get_all_nested_objects(message).items()}
+    back = inflate_object_from_contents(message.object_id, objects)
+    decoded = records.unpack(back.content.array_records["weights:global"],
+                             back.content.config_records["layout"]["global"], "global")
+    assert set(decoded) == set(weights)
+    for key, tensor in weights.items():
+        assert torch.equal(decoded[key], tensor) and decoded[key].dtype == tensor.dtype
+
+
+def test_large_reads_for_flowers_http_clients():
+    from httpcore._sync.http11 import HTTP11Connection
+
+    tuning.apply()
+    assert HTTP11Connection.READ_NUM_BYTES == tuning.READ_SIZE
