@@ -214,12 +214,15 @@ def main() -> None:
           f"loopback; {os.cpu_count()} CPUs; one torch thread per site; whole run {total:.1f} s")
     print(f"{'round':>5} {'wall s':>7} {'train s':>8} {'overhead s':>11} {'MB to':>7} {'MB from':>8} | "
           f"{'encode':>6} {'down':>5} {'site':>5} {'up':>5} {'agg':>5}")
-    overheads = []
+    overheads, calibration = [], []
+    last = len(summary["rounds"])
     for r in summary["rounds"]:
         slowest = max(r["train_s"].values())
         overhead = r["wall_s"] - slowest
-        note = "  (includes loading data, warm-up)" if r["round"] == 1 else ""
-        if r["round"] > 1:
+        note = {1: "  (includes loading data, warm-up)", last: "  (calibration: selector only)"}.get(r["round"], "")
+        if r["round"] == last and last > 1:
+            calibration.append(overhead)
+        elif r["round"] > 1:
             overheads.append(overhead)
         p = phases.get(r["round"], {})
         parts = " ".join(f"{p.get(k, float('nan')):>{w}.2f}" for k, w in
@@ -227,8 +230,9 @@ def main() -> None:
         print(f"{r['round']:>5} {r['wall_s']:>7.2f} {slowest:>8.2f} {overhead:>11.2f} "
               f"{r['bytes_to_sites'] / 1e6:>7.1f} {r['bytes_from_sites'] / 1e6:>8.1f} | {parts}{note}")
     if overheads:
-        print(f"transport overhead after round 1: median {statistics.median(overheads):.2f} s, "
-              f"max {max(overheads):.2f} s per round (target <= 3 s)")
+        print(f"transport overhead of the FedSM training rounds after round 1: median "
+              f"{statistics.median(overheads):.2f} s, max {max(overheads):.2f} s per round (target <= 3 s)"
+              + (f"; calibration round {calibration[0]:.2f} s" if calibration else ""))
     if meter is not None and meter.per_round():
         print("CPU seconds per round (rounds 2..): " + "; ".join(
             f"round {k + 2}: " + ", ".join(f"{role} {cpu[role]:.1f}" for role in CpuMeter.ROLES)
