@@ -50,7 +50,7 @@ def test_joined_inflation_refuses_children_that_do_not_match(flower_inflate):
     from flwr.app import Array
 
     content, children = _deflated(Array(np.arange(5, dtype=np.float32)))
-    other_content, other_children = _deflated(Array(np.arange(6, dtype=np.float32)))
+    _, other_children = _deflated(Array(np.arange(6, dtype=np.float32)))
     with pytest.raises(ValueError, match="Unexpected set of `children`"):
         tuning.inflate_array(Array, content, other_children)
     with pytest.raises(ValueError, match="Unexpected set of `children`"):
@@ -83,3 +83,17 @@ def test_large_reads_for_flowers_http_clients():
 
     tuning.apply()
     assert HTTP11Connection.READ_NUM_BYTES == tuning.READ_SIZE
+
+
+@pytest.mark.parametrize("size", [0, 1, 5_000_000, 5 * 1024 * 1024, 12_345_679])
+def test_one_copy_chunk_encoding_equals_flowers(flower_inflate, size):  # the fixture applies the tuning
+    from flwr.app import Array
+    from flwr.app.message.arraychunk import ArrayChunk
+
+    assert ArrayChunk.deflate is tuning.deflate_array_chunk
+    values = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    for _, chunk in Array(values).slice_array():
+        assert tuning.deflate_array_chunk(chunk) == tuning.flower_chunk_deflate(chunk)
+        assert type(chunk.deflate()) is bytes
+        back = ArrayChunk.inflate(chunk.deflate())
+        assert bytes(back.data) == bytes(chunk.data)
