@@ -28,7 +28,7 @@ What the plain ``flower-superlink`` / ``flower-supernode`` commands do not do:
   ``error`` event). The site's ClientApp executor checks the same hash again before it pulls a
   task's payload from the SuperNode.
 - **Fleet API alone on the sites' address (SuperLink).** With ``--fleet-address`` the
-  SuperLink serves its whole API on 127.0.0.1 (its ``--fleet-api-address`` port, plain HTTP)
+  SuperLink serves its whole API on 127.0.0.1 (its ``--host``/``--port``, plain HTTP)
   and only ``POST /v1/fleet/*`` on the federation's address, with TLS
   (:mod:`engine.federation.flower.fleet_listener`).
 
@@ -160,6 +160,9 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
 
     from engine.federation.flower.fleet_listener import serve
 
+    if not callable(getattr(module, "_run_superlink_http_api", None)):
+        raise SystemExit("this Flower version's SuperLink command has no _run_superlink_http_api; FedSM needs "
+                         "flwr 1.41 (pip install 'flwr==1.41.*')")
     host, _, port = fleet_address.rpartition(":")
 
     def run_http_api(lifespan_config: Any) -> None:
