@@ -20,23 +20,20 @@ _FINISHED = {"finished"}
 
 
 class ControlClient:
-    """A client of the SuperLink's Control API.
+    """A client of the SuperLink's Control API on its loopback listener (plain HTTP).
 
     Parameters
     ----------
     address
         ``127.0.0.1:<port>`` of the SuperLink.
-    ca_cert
-        PEM bytes of the CA that signed the SuperLink's certificate; ``None`` for an insecure
-        (plain HTTP) SuperLink.
     """
 
-    def __init__(self, address: str, ca_cert: bytes | None) -> None:
+    def __init__(self, address: str) -> None:
         from flwr.supercore.control import ControlHttpClient
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
         self._client = ControlHttpClient.from_server_address(
-            address, ca_cert is None, ca_cert, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+            address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
 
     def close(self) -> None:
         self._client.close()

@@ -32,21 +32,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from engine.federation.flower.request_body import App, Receive, Scope, Send, WholeBody, read_body, replaying
 
 FLEET_PREFIX = "/v1/fleet/"
 #: Largest request body accepted: an object chunk is 5 MB in Flower 1.41, plus framing.
 MAX_BODY = 64 * 1024 * 1024
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
 
 class FleetOnly:
     """ASGI wrapper that lets only ``POST /v1/fleet/*`` with a body of known, bounded length through.
+
+    The body is read whole before the application is called, and handed to it as one
+    message (as :class:`engine.federation.flower.request_body.WholeBody` does).
 
     Parameters
     ----------
@@ -59,7 +60,7 @@ class FleetOnly:
         Write every forwarded body there (see the module's docstring).
     """
 
-    def __init__(self, app: Callable[..., Awaitable[None]], max_body: int = MAX_BODY,
+    def __init__(self, app: App, max_body: int = MAX_BODY,
                  record_dir: Path | None = None) -> None:
         self.app, self.max_body, self.record_dir = app, max_body, record_dir
         self._recorded = 0
@@ -82,29 +83,21 @@ class FleetOnly:
         if length > self.max_body:
             await _answer(send, 413, b"request body too large\n")
             return
+        body = await read_body(receive)  # bounded by the check above
+        if body is None:  # the client left before its body was complete
+            return
         if self.record_dir is not None:
-            receive = self._recording(scope["path"], receive)
-        await self.app(scope, receive, send)
+            self._record(scope["path"], body)
+        await self.app(scope, replaying(body, receive), send)
 
-    def _recording(self, path: str, receive: Receive) -> Receive:
-        number = self._recorded
+    def _record(self, path: str, body: bytes) -> None:
+        assert self.record_dir is not None
+        stem = self.record_dir / f"{self._recorded:06d}"
         self._recorded += 1
-        pieces: list[bytes] = []
-
-        async def recorded() -> MutableMapping[str, Any]:
-            message = await receive()
-            if message["type"] == "http.request":
-                pieces.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    assert self.record_dir is not None
-                    stem = self.record_dir / f"{number:06d}"
-                    stem.with_suffix(".path").write_text(path)
-                    # the .bin appears whole or not at all (a reader globs for it)
-                    stem.with_suffix(".part").write_bytes(b"".join(pieces))
-                    stem.with_suffix(".part").replace(stem.with_suffix(".bin"))
-            return message
-
-        return recorded
+        stem.with_suffix(".path").write_text(path)
+        # the .bin appears whole or not at all (a reader globs for it)
+        stem.with_suffix(".part").write_bytes(body)
+        stem.with_suffix(".part").replace(stem.with_suffix(".bin"))
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -156,12 +149,11 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
         def capture_signals(self) -> Iterator[None]:
             yield
 
-    from engine.federation.flower.request_body import WholeBody
-
     tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
-    whole = WholeBody(app)  # Flower's middleware then sees each body as one message
-    inner = _Quiet(uvicorn.Config(whole, host=local[0], port=local[1], log_config=log_config, access_log=False))
-    outer = _Quiet(uvicorn.Config(FleetOnly(whole, record_dir=record_dir), host=public[0], port=public[1],
+    # Flower's middleware then sees each body as one message (FleetOnly reads bodies whole too)
+    inner = _Quiet(uvicorn.Config(WholeBody(app), host=local[0], port=local[1], log_config=log_config,
+                                  access_log=False))
+    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir), host=public[0], port=public[1],
                                   lifespan="off", log_config=log_config, access_log=False, **tls))
 
     async def both() -> None:

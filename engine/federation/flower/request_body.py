@@ -8,9 +8,9 @@ and memory streams before Flower joins them into one ``bytes`` anyway. :class:`W
 reads the body first (one join, or none for a body that came in one piece) and gives the
 application a single message, which it reads the same way.
 
-Memory is unchanged: Flower buffers the whole body before parsing it in any case. Bodies
-are bounded before this layer on the sites' side (:class:`.fleet_listener.FleetOnly`); the
-loopback listeners serve only this machine's own processes.
+Memory is unchanged: Flower buffers the whole body before parsing it in any case. On the
+sites' side :class:`.fleet_listener.FleetOnly` bounds a body before reading it (with
+:func:`read_body`); the loopback listeners serve only this machine's own processes.
 """
 
 from __future__ import annotations
@@ -39,26 +39,35 @@ class WholeBody:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        pieces: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # http.disconnect
-                return
-            pieces.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        del pieces
-        delivered = False
+        body = await read_body(receive)
+        if body is not None:
+            await self.app(scope, replaying(body, receive), send)
 
-        async def replay() -> Message:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the client's disconnect, when it comes
 
-        await self.app(scope, replay, send)
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole body of an HTTP request, or ``None`` when the client disconnected before its end."""
+    pieces: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect
+            return None
+        pieces.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` as one message, then whatever ``receive`` gives (the disconnect)."""
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def wrap_supernode_runtime_api() -> None:

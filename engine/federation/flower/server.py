@@ -91,14 +91,15 @@ def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[st
             "--ssl-keyfile", str(cfg.tls.server_key), "--enable-supernode-auth"]
 
 
-def _acquire_server_task(address: str, insecure: bool, ca: bytes | None, timeout: float = 60.0) -> str:
+def _acquire_server_task(address: str, timeout: float = 60.0) -> str:
+    """The ServerApp task's token from the SuperLink's loopback listener (plain HTTP)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
 
     client = RuntimeHttpClient.from_server_address(
-        server_address=address, insecure=insecure, root_certificates=ca,
+        server_address=address, insecure=True, root_certificates=None,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp")])
     deadline = time.monotonic() + timeout
     try:
@@ -208,14 +209,14 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         events.status(f"sites connect to {cfg.address}" + (" (INSECURE: no TLS, no site authentication)"
                                                            if insecure else ""))
         # the SuperLink's loopback listener is plain HTTP (fleet_listener): only this machine reaches it
-        control = ControlClient(address, None)
+        control = ControlClient(address)
         directory = (SelfNamedSites(cfg.sites, cfg.poll_interval) if insecure
                      else RegisteredSites(control.register_sites(keys)))
         stale = control.stop_unfinished_runs()
         if stale:
             events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
         control.start_run(app.content)
-        token = _acquire_server_task(address, True, None)
+        token = _acquire_server_task(address)
         runtime = RuntimeHttpClient.from_server_address(
             server_address=address, insecure=True, root_certificates=None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
