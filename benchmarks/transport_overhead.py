@@ -160,6 +160,21 @@ class CpuMeter:
                 zip(self.snapshots, self.snapshots[1:], strict=False)]
 
 
+def _wait_for_coordinator(server: subprocess.Popen, sites: dict[str, subprocess.Popen], root: Path,
+                          timeout: float) -> int:
+    """The coordinator's exit status; stops the benchmark at once if a site exits before it with an error."""
+    deadline = time.monotonic() + timeout
+    while (code := server.poll()) is None:
+        for name, proc in sites.items():
+            if proc.poll() not in (None, 0):
+                err = (root / f"{name}.err").read_text(errors="replace").strip().splitlines()[-3:]
+                raise SystemExit(f"{name} failed ({proc.returncode}): " + " / ".join(err))
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the coordinator did not finish within {timeout:.0f} s; see {root / 'server.err'}")
+        time.sleep(0.2)
+    return code
+
+
 def run(root: Path, insecure: bool, timeout: float, meter: CpuMeter | None = None) -> dict:
     flag = ["--insecure"] if insecure else []
     procs = []
@@ -173,7 +188,7 @@ def run(root: Path, insecure: bool, timeout: float, meter: CpuMeter | None = Non
             procs.append(subprocess.Popen(fedsm("site", "--config", str(root / f"{site}.toml"), "--once",
                                                 "--no-validate", *flag), cwd=ROOT, stdout=subprocess.DEVNULL,
                                           stderr=(root / f"{site}.err").open("wb")))
-        code = server.wait(timeout=timeout)
+        code = _wait_for_coordinator(server, dict(zip(SITES, procs[1:], strict=True)), root, timeout)
         if code != 0:
             raise SystemExit(f"the coordinator failed ({code}); see {root / 'server.err'}")
         return json.loads((root / "coord" / "summary.json").read_text())

@@ -33,7 +33,8 @@ def weighted_sum(terms: Sequence[tuple[Mapping[str, torch.Tensor], float]]) -> W
     for key, ref in first.items():
         acc = torch.zeros(ref.shape, dtype=torch.float64)
         for weights, coef in terms:
-            acc += float(coef) * weights[key].detach().to("cpu", torch.float64)
+            # One pass per term: the float64 accumulator takes coef * w directly.
+            acc.add_(weights[key].detach().to("cpu", torch.float64), alpha=float(coef))
         if ref.dtype.is_floating_point:
             out[key] = acc.to(ref.dtype)
         else:
@@ -49,6 +50,19 @@ def subtract(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> We
 def payload_bytes(weights: Mapping[str, torch.Tensor]) -> int:
     """Bytes the tensors of ``weights`` occupy on the wire (raw, uncompressed)."""
     return sum(t.numel() * t.element_size() for t in weights.values())
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of a floating-point ``tensor`` is finite (no NaN, no Inf).
+
+    One pass and no temporary the size of the tensor: a NaN or an infinity makes the sum
+    NaN or infinite, so a finite sum proves every element finite. Only a sum that
+    overflowed from finite values (elements near the dtype's largest) is not proof of the
+    opposite; then every element is checked.
+    """
+    if bool(torch.isfinite(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 def check_compatible(reference: Mapping[str, torch.Tensor], update: Mapping[str, torch.Tensor],
@@ -69,5 +83,5 @@ def check_compatible(reference: Mapping[str, torch.Tensor], update: Mapping[str,
             raise WeightsError(f"{what}: {key} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
         if got.dtype != ref.dtype:
             raise WeightsError(f"{what}: {key} has dtype {got.dtype}, expected {ref.dtype}")
-        if got.dtype.is_floating_point and not bool(torch.isfinite(got).all()):
+        if got.dtype.is_floating_point and not all_finite(got):
             raise WeightsError(f"{what}: {key} contains NaN or Inf; the site's training diverged")

@@ -97,3 +97,102 @@ def test_one_copy_chunk_encoding_equals_flowers(flower_inflate, size):  # the fi
         assert type(chunk.deflate()) is bytes
         back = ArrayChunk.inflate(chunk.deflate())
         assert bytes(back.data) == bytes(chunk.data)
+
+
+def test_chunk_ids_are_flowers_and_hashed_once_per_data(flower_inflate, monkeypatch):
+    from flwr.app import Array
+    from flwr.app.message.arraychunk import ArrayChunk
+    from flwr.supercore.inflatable import inflatable_object
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+
+    assert ArrayChunk.object_id is tuning.array_chunk_object_id
+    hashed = []
+    real = inflatable_object.get_object_id
+    monkeypatch.setattr(inflatable_object, "get_object_id",
+                        lambda content: hashed.append(len(content)) or real(content))
+    values = np.random.default_rng(1).standard_normal(3_000_000).astype(np.float32)  # three chunks
+    array = Array(values)
+    chunks = [chunk for _, chunk in array.slice_array()]
+    assert len(chunks) == 3
+    for chunk in chunks:
+        assert chunk.object_id == tuning.flower_chunk_object_id.fget(chunk) == real(chunk.deflate())
+    assert array.object_id  # the array's own id (its metadata, not its data)
+    hashed.clear()
+    get_object_tree(array)  # Flower's walk asks every chunk for its id again
+    assert [chunk.object_id for chunk in chunks] and hashed == []
+    # new data, new id
+    chunk = chunks[0]
+    first = chunk.object_id
+    chunk.data = memoryview(b"other data")
+    assert chunk.object_id == real(chunk.deflate()) != first
+
+
+def test_the_site_object_store_checks_structure_but_not_the_hash():
+    from flwr.app.message.arraychunk import ArrayChunk
+    from flwr.supercore.inflatable.inflatable_object import UnexpectedObjectContentError, get_object_id
+    from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+
+    store = tuning.site_object_store()
+    content = ArrayChunk(memoryview(b"\x01" * 1000)).deflate()
+    object_id = get_object_id(content)
+    store.preregister(7, get_tree(object_id))
+    store.put(object_id, content)
+    assert store.get(object_id) == content
+    other = tuning.site_object_store()
+    other.preregister(7, get_tree(object_id))
+    with pytest.raises(UnexpectedObjectContentError):  # not an object at all: refused, not stored
+        other.put(object_id, b"no head, no body")
+    assert other.get(object_id) == b""
+    flower = InMemoryObjectStore()
+    flower.preregister(7, get_tree(object_id))
+    with pytest.raises(ValueError, match="does not match"):  # Flower's own store re-hashes
+        flower.put(object_id, content[:-1] + b"\x02")
+
+
+def get_tree(object_id):
+    from flwr.proto.message_pb2 import ObjectTree
+
+    return ObjectTree(object_id=object_id, children=[])
+
+
+def test_the_supernode_command_builds_the_site_store(monkeypatch):
+    import types
+
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+
+    command = types.SimpleNamespace(ObjectStoreFactory=ObjectStoreFactory)
+    tuning.store_without_rehash(command)
+    factory = command.ObjectStoreFactory()
+    store = factory.store()
+    assert isinstance(store, InMemoryObjectStore) and store.verify is False
+    assert factory.store() is store
+    with pytest.raises(SystemExit, match=r"flwr 1\.41"):
+        tuning.store_without_rehash(types.SimpleNamespace())
+
+
+def test_the_superlink_reads_an_uploads_content_once(monkeypatch):
+    from flwr.superlink.servicer.fleet import fleet_handlers
+
+    seen = []
+
+    def flower_push_object(request, state):
+        seen.append((request.object_content, request.object_content, request.object_id, state))
+        return "stored"
+
+    monkeypatch.setattr(fleet_handlers, "push_object", flower_push_object)
+    tuning.fleet_push_reads_content_once()
+    tuning.fleet_push_reads_content_once()  # idempotent: wrapped once
+
+    class Request:
+        reads = 0
+        object_id = "abc"
+
+        @property
+        def object_content(self):
+            Request.reads += 1
+            return b"content"
+
+    assert fleet_handlers.push_object(Request(), "state") == "stored"
+    assert Request.reads == 1
+    assert seen == [(b"content", b"content", "abc", "state")]

@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.fleet_address is not None:
             _serve_fleet_separately(importlib.import_module("flwr.superlink.cli.flower_superlink"),
                                     args.fleet_address, args.record_dir)
+        tuning.fleet_push_reads_content_once()
         sys.argv = ["flower-superlink", *flower_args]
     else:
         from flwr.supernode.cli import flower_supernode as entry
@@ -211,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
 
             guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site)
         wrap_supernode_runtime_api()
+        tuning.store_without_rehash(importlib.import_module("flwr.supernode.cli.flower_supernode"))
         sys.argv = ["flower-supernode", *flower_args]
     tuning.apply()
     freeze_startup_objects()

@@ -1,9 +1,10 @@
-"""Three per-byte costs of Flower 1.41's message handling, removed in the FedSM processes.
+"""Per-byte costs of Flower 1.41's message handling, removed in the FedSM processes.
 
 Applied by :func:`apply` in every federation process (``fedsm server``, ``fedsm site`` and
-their Flower children, see :mod:`engine.federation.flower.launch`); both replace Flower
-behaviour with one that produces the same bytes and the same objects, only with fewer copies.
-The tests in ``tests/federation/test_tuning.py`` compare them with Flower's own.
+their Flower children, see :mod:`engine.federation.flower.launch`); each replaces Flower
+behaviour with one that produces the same bytes and the same objects, only with fewer copies
+or fewer hashes. The tests in ``tests/federation/test_tuning.py`` compare them with Flower's
+own.
 
 - **Array inflation** (:func:`inflate_array`). Flower rebuilds a received ``Array`` by
   appending its 5 MB chunks to a ``bytearray`` one after the other and copying the result
@@ -12,6 +13,23 @@ The tests in ``tests/federation/test_tuning.py`` compare them with Flower's own.
 - **Chunk encoding** (:func:`deflate_array_chunk`). Flower writes a chunk's header and 5 MB
   of data into a ``bytearray`` and copies that into ``bytes``, and it does so twice per
   chunk sent (once for the object id, once to send). Here header and data are joined once.
+- **Chunk ids** (:func:`array_chunk_object_id`). A chunk's object id is the SHA-256 of its
+  encoding, and Flower recomputes it on every access: a site hashes every chunk of its
+  answer twice (once to name the message, once more for its object tree). The id is kept
+  with the data it was computed from and reused while the chunk holds that same data.
+- **The SuperNode's re-hashing** (:func:`store_without_rehash`). Every object store hashes
+  each object it is given and compares the result with its id. The SuperNode's store is
+  given objects by two parties only: the SuperLink, over TLS to a certificate of the
+  federation's CA, and the site's own ClientApp, on the site's loopback. Both channels
+  already guarantee that the bytes are the ones sent, and the sender names the ids, so
+  the hash proves nothing there; it cost each SuperNode ~100 MB of SHA-256 per FedSM
+  round. The store still checks each object's structure (Flower's
+  ``validate_object_content``). The SuperLink's store keeps Flower's check: it is where
+  the sites' uploads enter.
+- **An upload's content read once** (:func:`fleet_push_reads_content_once`). The SuperLink's
+  handler of a site's ``PushObject`` reads the request's ``object_content`` twice, once to
+  store it and once for its length, and every read of a protobuf ``bytes`` field copies it
+  (5 MB per chunk). The handler is given the request with the content read once.
 - **HTTP reads** (:func:`read_responses_in_large_pieces`). httpcore reads a response 64 KB at
   a time; every weight chunk a SuperNode or the coordinator pulls is a 5 MB response, so
   80 socket reads and parser steps each. 1 MB reads do the same work in 5.
@@ -20,7 +38,7 @@ The tests in ``tests/federation/test_tuning.py`` compare them with Flower's own.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 #: httpcore's read size for Flower's HTTP clients (httpcore's default: 64 KB).
 READ_SIZE = 1 << 20
@@ -28,6 +46,8 @@ READ_SIZE = 1 << 20
 flower_array_inflate: Any = None
 #: Flower's own ``ArrayChunk.deflate``, kept by :func:`apply` for comparison.
 flower_chunk_deflate: Any = None
+#: Flower's own ``ArrayChunk.object_id`` property, kept by :func:`apply` for comparison.
+flower_chunk_object_id: Any = None
 
 
 def inflate_array(cls: Any, object_content: bytes, children: dict[str, Any] | None = None) -> Any:
@@ -67,6 +87,96 @@ def deflate_array_chunk(self: Any) -> bytes:
     return b"".join([head.encode("utf-8"), HEAD_BODY_DIVIDER, body])
 
 
+def _array_chunk_object_id(self: Any) -> str:
+    """``ArrayChunk.object_id`` computed once per chunk data (see the module's docstring).
+
+    The id is cached with the very data object it was computed from: a chunk whose ``data``
+    is replaced gets a new id. Chunk data are immutable (``bytes``, or views of the array's
+    ``bytes``), so the same object always has the same id. ``_object_id`` is set as
+    Flower's own property does.
+    """
+    from flwr.supercore.inflatable import inflatable_object
+
+    cached = self.__dict__.get("_fedsm_object_id")
+    if cached is not None and cached[0] is self.data:
+        return cast(str, cached[1])
+    object_id = inflatable_object.get_object_id(self.deflate())
+    self.__dict__["_fedsm_object_id"] = (self.data, object_id)
+    self.__dict__["_object_id"] = object_id
+    return object_id
+
+
+#: The property installed on ``ArrayChunk`` by :func:`apply`.
+array_chunk_object_id = property(_array_chunk_object_id)
+
+
+def store_without_rehash(supernode_command: Any) -> None:
+    """Give the SuperNode of ``supernode_command`` a store that does not re-hash objects.
+
+    ``supernode_command`` is Flower's ``flwr.supernode.cli.flower_supernode`` module, whose
+    entry point builds its store with the module's ``ObjectStoreFactory``; that name is
+    replaced by a factory of :class:`SiteObjectStore` (see the module's docstring).
+    """
+    from flwr.supercore.object_store import ObjectStoreFactory
+
+    if not isinstance(getattr(supernode_command, "ObjectStoreFactory", None), type):
+        raise SystemExit("this Flower version's SuperNode command builds no ObjectStoreFactory; FedSM needs "
+                         "flwr 1.41 (pip install 'flwr==1.41.*')")
+
+    class SiteStoreFactory(ObjectStoreFactory):
+        def store(self) -> Any:
+            if self.store_instance is not None:
+                return self.store_instance
+            with self._store_lock:
+                if self.store_instance is None:
+                    self.store_instance = site_object_store()
+                return self.store_instance
+
+    supernode_command.ObjectStoreFactory = SiteStoreFactory
+
+
+def site_object_store() -> Any:
+    """Flower's in-memory object store checking each object's structure but not its hash."""
+    from flwr.supercore.inflatable.inflatable_utils import validate_object_content
+    from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+
+    class SiteObjectStore(InMemoryObjectStore):
+        def __init__(self) -> None:
+            super().__init__(verify=False)
+
+        def put(self, object_id: str, object_content: bytes) -> None:
+            validate_object_content(content=object_content)
+            super().put(object_id, object_content)
+
+    return SiteObjectStore()
+
+
+class _ContentReadOnce:
+    """A ``PushObjectRequest`` whose ``object_content`` was read (copied out) once."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+        self.object_content = request.object_content
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def fleet_push_reads_content_once() -> None:
+    """Hand the SuperLink's fleet ``push_object`` handler requests whose content is read once (idempotent)."""
+    from flwr.superlink.servicer.fleet import fleet_handlers
+
+    original = fleet_handlers.push_object
+    if getattr(original, "_fedsm_reads_once", False):
+        return
+
+    def push_object(request: Any, state: Any) -> Any:
+        return original(request=_ContentReadOnce(request), state=state)
+
+    push_object._fedsm_reads_once = True  # type: ignore[attr-defined]
+    fleet_handlers.push_object = push_object
+
+
 def read_responses_in_large_pieces() -> None:
     """Let Flower's HTTP clients read a response :data:`READ_SIZE` bytes at a time.
 
@@ -82,11 +192,11 @@ def read_responses_in_large_pieces() -> None:
 
 
 def apply() -> None:
-    """Install the three changes in this process (idempotent)."""
+    """Install the four changes in this process (idempotent)."""
     from flwr.app import Array
     from flwr.app.message.arraychunk import ArrayChunk
 
-    global flower_array_inflate, flower_chunk_deflate
+    global flower_array_inflate, flower_chunk_deflate, flower_chunk_object_id
     current = Array.__dict__["inflate"]
     if getattr(current, "__func__", None) is not inflate_array:
         flower_array_inflate = current
@@ -94,4 +204,7 @@ def apply() -> None:
     if ArrayChunk.__dict__["deflate"] is not deflate_array_chunk:
         flower_chunk_deflate = ArrayChunk.__dict__["deflate"]
         ArrayChunk.deflate = deflate_array_chunk  # type: ignore[method-assign]
+    if ArrayChunk.__dict__.get("object_id") is not array_chunk_object_id:
+        flower_chunk_object_id = ArrayChunk.object_id
+        ArrayChunk.object_id = array_chunk_object_id  # type: ignore[method-assign, assignment]
     read_responses_in_large_pieces()
