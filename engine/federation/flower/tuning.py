@@ -1,10 +1,11 @@
 """Per-byte costs of Flower 1.41's message handling, removed in the FedSM processes.
 
-Applied by :func:`apply` in every federation process (``fedsm server``, ``fedsm site`` and
-their Flower children, see :mod:`engine.federation.flower.launch`); each replaces Flower
-behaviour with one that produces the same bytes and the same objects, only with fewer copies
-or fewer hashes. The tests in ``tests/federation/test_tuning.py`` compare them with Flower's
-own.
+:func:`apply` installs the array, chunk and HTTP changes in every federation process
+(``fedsm server``, ``fedsm site`` and their Flower children);
+:mod:`engine.federation.flower.launch` installs the SuperNode's store in the SuperNode and
+the upload handler in the SuperLink. Each replaces Flower behaviour with one that produces
+the same bytes and the same objects, only with fewer copies or fewer hashes. The tests in
+``tests/federation/test_tuning.py`` compare them with Flower's own.
 
 - **Array inflation** (:func:`inflate_array`). Flower rebuilds a received ``Array`` by
   appending its 5 MB chunks to a ``bytearray`` one after the other and copying the result
