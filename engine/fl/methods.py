@@ -42,7 +42,7 @@ from engine.fl.selector_calibration import (
     final_layer_keys,
     penultimate_features,
 )
-from engine.fl.weights import Weights, check_compatible, model_weights, subtract
+from engine.fl.weights import Weights, all_finite, check_compatible, model_weights, subtract
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec
 
@@ -613,7 +613,7 @@ def check_statistics(stats: Mapping[str, torch.Tensor], num_classes: int, what: 
         raise WeightsError(f"{what}: shapes count {tuple(count.shape)}, sum {tuple(sums.shape)}, "
                            f"outer {tuple(outer.shape)} do not fit {num_classes} classes")
     for key in STAT_KEYS:
-        if not bool(torch.isfinite(stats[key]).all()):
+        if not all_finite(stats[key]):
             raise WeightsError(f"{what}: {key} contains NaN or Inf")
     if bool((count < 0).any()):
         raise WeightsError(f"{what}: negative sample counts")

@@ -195,16 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True, name="parent-watchdog").start()
     if args.component == "superlink":
-        from flwr.superlink.cli import flower_superlink as entry
-
+        # the command's module (the package re-exports its entry function under the same name)
+        command = importlib.import_module("flwr.superlink.cli.flower_superlink")
         if args.fleet_address is not None:
-            _serve_fleet_separately(importlib.import_module("flwr.superlink.cli.flower_superlink"),
-                                    args.fleet_address, args.record_dir)
+            _serve_fleet_separately(command, args.fleet_address, args.record_dir)
         tuning.fleet_push_reads_content_once()
+        entry = command.flower_superlink
         sys.argv = ["flower-superlink", *flower_args]
     else:
-        from flwr.supernode.cli import flower_supernode as entry
-
+        command = importlib.import_module("flwr.supernode.cli.flower_supernode")
         if args.poll_interval is not None:
             _prompt_supernode(args.poll_interval)
         if args.approved_apps is not None:
@@ -212,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
 
             guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site)
         wrap_supernode_runtime_api()
-        tuning.store_without_rehash(importlib.import_module("flwr.supernode.cli.flower_supernode"))
+        tuning.store_without_rehash(command)
+        entry = command.flower_supernode
         sys.argv = ["flower-supernode", *flower_args]
     tuning.apply()
     freeze_startup_objects()
