@@ -147,7 +147,7 @@ class Simulation:
     def _runtimes(self) -> list[Any]:
         from engine.fl.methods import SiteRuntime
 
-        return [SiteRuntime(s.name, i, s.train) for i, s in enumerate(self.sites)]
+        return [SiteRuntime(s.name, i, s.train, validation=s.validation) for i, s in enumerate(self.sites)]
 
     def _pooled_runtime(self) -> Any:
         from engine.data.site_data import SplitArrays
@@ -209,7 +209,10 @@ class Simulation:
         from engine.federation.inprocess import run_rounds
         from engine.fl.evaluation import segment_with
         from engine.fl.methods import FedAvg, FedSM
+        from engine.fl.registry import EXCHANGE_METHODS
 
+        if name in EXCHANGE_METHODS:
+            return self.run_exchange_method(name)
         start = time.perf_counter()
         training = self.cfg.training()
         extra: dict[str, Any] = {}
@@ -246,10 +249,46 @@ class Simulation:
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra)
 
+    def run_exchange_method(self, name: str) -> MethodResult:
+        """Train and evaluate a dialogue method (:mod:`engine.fl.exchange`) through the in-process transport.
+
+        The method's own :meth:`~engine.fl.exchange.ExchangeMethod.segmenter` says how each
+        site segments with the result; ``report_extra(state, runtimes)`` (when the method has
+        it) adds method-specific results, and a ``"bundle"`` among them is saved with the report.
+        """
+        from engine.federation.inprocess import run_exchange_rounds
+        from engine.fl.registry import build_exchange_method
+
+        start = time.perf_counter()
+        method = build_exchange_method(name, self.task, [s.name for s in self.sites], asdict(self.cfg))
+        runtimes = self._runtimes()
+        self._attach_round_hook(method, runtimes)
+        state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,
+                                             cancel=self.cancel)
+        predict = method.segmenter(state, runtimes, self.cfg.device)
+        per_site, client_avg, pooled = self._evaluate(predict)
+        report_extra = getattr(method, "report_extra", None)
+        extra = report_extra(state, runtimes) if report_extra is not None else {}
+        rounds, bytes_per_round = self._round_summaries(records)
+        return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
+                            extra)
+
     def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
         """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""
+        from engine.fl.exchange import ExchangeMethod
+
         hook = self.round_hook
         if hook is None:
+            return
+        if isinstance(method, ExchangeMethod):
+            dialogue = method.dialogue
+
+            def dialogue_and_report(state: dict[str, Any], rnd: int) -> Any:
+                new = yield from dialogue(state, rnd)
+                hook(method, rnd, new, runtimes)
+                return new
+
+            method.dialogue = dialogue_and_report  # type: ignore[method-assign]
             return
         aggregate = method.aggregate
 

@@ -1,9 +1,11 @@
 """In-process federation: every site's half runs in this process, one after the other.
 
 This is the simulation transport. It calls exactly the methods' server and site halves that
-the network transport calls, counts the bytes each site would send and receive, and treats a
-site that raises as a failure of that round (left out of aggregation, back next round), the
-way Flower hands failures to a strategy as data.
+the network transport calls (:func:`run_rounds` for one-exchange methods,
+:func:`run_exchange_rounds` for dialogue methods, :mod:`engine.fl.exchange`), counts the
+bytes each site would send and receive, and treats a site that raises as a failure of that
+round (left out of aggregation, back next round), the way Flower hands failures to a strategy
+as data.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import CancelledError, FedSMError, WeightsError
+from engine.fl.exchange import ExchangeMethod, Failure, Reply
 from engine.fl.methods import FederatedMethod, SiteRuntime, SiteUpdate, WeightSet
 from engine.fl.weights import payload_bytes
 
@@ -114,3 +117,122 @@ def run_rounds(
                       "bytes_from_sites": sum(from_site.values()), "wall_s": round(record.wall_s, 3),
                       "metrics": record.metrics})
     return state, records
+
+
+@dataclass
+class ExchangeRecord:
+    """One exchange of a dialogue as the transport saw it (for ledgers and tests)."""
+
+    round: int
+    site: str
+    action: str
+    request_tensors: dict[str, tuple[int, ...]]
+    reply_tensors: dict[str, tuple[int, ...]]
+    bytes_to_site: int
+    bytes_from_site: int
+    failed: str | None = None
+
+
+def run_exchange_rounds(
+    method: ExchangeMethod,
+    sites: list[SiteRuntime],
+    rounds: int,
+    *,
+    state: WeightSet | None = None,
+    first_round: int = 1,
+    progress: ProgressFn | None = None,
+    cancel: Callable[[], bool] | None = None,
+    recorder: Callable[[ExchangeRecord], None] | None = None,
+) -> tuple[WeightSet, list[RoundRecord]]:
+    """Run rounds ``first_round..rounds`` of a dialogue method over ``sites`` in this process.
+
+    Every request goes through the site half (:meth:`ExchangeMethod.check_request`, then
+    :meth:`ExchangeMethod.answer`) and every reply through
+    :meth:`ExchangeMethod.validate_reply`; a site that raises or answers badly is reported
+    to the dialogue as a :class:`~engine.fl.exchange.Failure` (and as an ``error`` event).
+
+    Parameters
+    ----------
+    recorder
+        Called with an :class:`ExchangeRecord` for every request (the ledger's view).
+
+    Returns
+    -------
+    state, records
+        Final server state and one :class:`RoundRecord` per round (bytes summed over the
+        round's exchanges; ``metrics`` = each site's last reply metrics plus ``exchanges``).
+    """
+    from engine.fl.exchange import tensor_bytes
+
+    by_name = {s.name: s for s in sites}
+    state = method.initial_state() if state is None else state
+    records: list[RoundRecord] = []
+    for rnd in range(first_round, rounds + 1):
+        if cancel is not None and cancel():
+            raise CancelledError(f"{method.name}: cancelled before round {rnd}")
+        start = time.perf_counter()
+        if progress:
+            progress({"event": "round_start", "method": method.name, "round": rnd, "rounds": rounds})
+        to_site: dict[str, int] = {}
+        from_site: dict[str, int] = {}
+        train_s: dict[str, float] = {}
+        failed: dict[str, str] = {}
+        metrics: dict[str, dict[str, float]] = {}
+        exchanges: dict[str, int] = {}
+        dialogue = method.dialogue(state, rnd)
+        try:
+            requests = next(dialogue)
+            while True:
+                answers: dict[str, Reply | Failure] = {}
+                for name, request in requests.items():
+                    sent = tensor_bytes(request.tensors)
+                    to_site[name] = to_site.get(name, 0) + sent
+                    exchanges[name] = exchanges.get(name, 0) + 1
+                    site = by_name.get(name)
+                    t0 = time.perf_counter()
+                    try:
+                        if site is None:
+                            raise FedSMError(f"{name} is not a site of this federation")
+                        method.check_request(request)
+                        reply = method.answer(request, site, progress, cancel)
+                        method.validate_reply(request, name, reply)
+                    except CancelledError:
+                        raise
+                    except (FedSMError, WeightsError, RuntimeError) as exc:
+                        log.warning("round %d: %s failed %r: %s", rnd, name, request.action, exc)
+                        failed[name] = str(exc)
+                        answers[name] = Failure(str(exc))
+                        if progress:
+                            progress({"event": "error", "method": method.name, "round": rnd, "site": name,
+                                      "message": str(exc)})
+                        if recorder:
+                            recorder(ExchangeRecord(rnd, name, request.action, _shapes(request.tensors), {},
+                                                    sent, 0, str(exc)))
+                        continue
+                    train_s[name] = train_s.get(name, 0.0) + time.perf_counter() - t0
+                    got = tensor_bytes(reply.tensors)
+                    from_site[name] = from_site.get(name, 0) + got
+                    metrics[name] = dict(reply.metrics)
+                    answers[name] = reply
+                    if recorder:
+                        recorder(ExchangeRecord(rnd, name, request.action, _shapes(request.tensors),
+                                                _shapes(reply.tensors), sent, got))
+                requests = dialogue.send(answers)
+        except StopIteration as stop:
+            state = stop.value
+        for name, count in exchanges.items():
+            metrics.setdefault(name, {})["exchanges"] = float(count)
+        answered = sorted(n for n in metrics if n not in failed and n in from_site)
+        record = RoundRecord(rnd, answered, failed, to_site, from_site, metrics, time.perf_counter() - start,
+                             train_s)
+        records.append(record)
+        if progress:
+            progress({"event": "round_end", "method": method.name, "round": rnd, "rounds": rounds,
+                      "answered": record.answered, "bytes_to_sites": sum(to_site.values()),
+                      "bytes_from_sites": sum(from_site.values()), "wall_s": round(record.wall_s, 3),
+                      "metrics": record.metrics})
+    return state, records
+
+
+def _shapes(tensors: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in tensors.items()}

@@ -79,12 +79,17 @@ class SiteUpdate:
 
 @dataclass
 class SiteRuntime:
-    """A site as its own process sees it: name, index, local data and private state."""
+    """A site as its own process sees it: name, index, local data and private state.
+
+    ``validation`` is the site's validation split where a method needs it at the site (early
+    stopping, a site's own model selection); ``None`` where the caller has none.
+    """
 
     name: str
     index: int
     train: SplitArrays
     state: dict[str, Any] = field(default_factory=dict)
+    validation: SplitArrays | None = None
 
 
 class FederatedMethod(ABC):
