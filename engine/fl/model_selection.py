@@ -18,6 +18,7 @@ scored.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,10 @@ class BestRoundKeeper:
     device: str = "auto"
     segment: Callable[..., np.ndarray] | None = None
     points: list[dict[str, Any]] = field(default_factory=list)
+    #: Seconds spent on validation forward passes (the cost of keeping the best round).
+    eval_s: float = 0.0
+    #: The method's state after the last aggregation seen (with the best weights swapped in).
+    final_state: dict[str, Any] = field(default_factory=dict)
     _global: _Best = field(default_factory=_Best)
     _personal: dict[str, _Best] = field(default_factory=dict)
 
@@ -88,7 +93,13 @@ class BestRoundKeeper:
     @staticmethod
     def own_models(method: Any, state: Mapping[str, Any], runtimes: Sequence[Any],
                    names: Sequence[str]) -> dict[str, Any]:
-        """Each site's own model at this point: FedSM's ``personal/<site>`` or Local's site model."""
+        """Each site's own model at this point: FedSM's ``personal/<site>`` or Local's site model.
+
+        FedSM's personalization variants (:class:`engine.fl.methods.FedSMPersonalized`) build their
+        personalized models only in the calibration round: nothing to score during training.
+        """
+        if getattr(method, "personalization", None) is not None:
+            return {}
         if getattr(method, "name", "") == "local":
             return {rt.name: rt.state["local_model"] for rt in runtimes if "local_model" in rt.state}
         return {n: state[f"personal/{n}"] for n in names if f"personal/{n}" in state}
@@ -96,10 +107,18 @@ class BestRoundKeeper:
     def __call__(self, method: Any, rnd: int, state: Mapping[str, Any], runtimes: Sequence[Any]) -> None:
         if rnd > getattr(method, "rounds", rnd):
             return  # selector / calibration rounds leave the U-Nets unchanged
+        started = time.perf_counter()
+        self._score(method, rnd, state, runtimes)
+        self.eval_s += time.perf_counter() - started
+
+    def _score(self, method: Any, rnd: int, state: Mapping[str, Any], runtimes: Sequence[Any]) -> None:
         point: dict[str, Any] = {"round": rnd}
         if "global" in state:
-            avg = self.client_average(state["global"])
+            sites = {s.name: self.site_dice(state["global"], k) for k, s in enumerate(self.sites)}
+            scored = [d for d in sites.values() if d is not None]
+            avg = float(np.mean(scored)) if scored else float("nan")
             point["global"] = avg
+            point["global_sites"] = {n: d for n, d in sites.items() if d is not None}
             if np.isfinite(avg) and avg > self._global.dice:
                 self._global = _Best(rnd, avg, clone_weights(state["global"]))
         names = [s.name for s in self.sites]
@@ -164,6 +183,7 @@ def attach_best_round(method: Any, runtimes: Sequence[Any], keeper: BestRoundKee
         keeper(method, rnd, new, runtimes)
         if rnd == method.rounds:
             new = keeper.substitute(method, new, runtimes)
+        keeper.final_state = new
         return new
 
     method.aggregate = aggregate_and_keep
