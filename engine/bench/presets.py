@@ -167,9 +167,10 @@ def get_preset(name: str) -> BenchPreset:
 
 
 def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
-                    main_only: bool = False) -> BenchPreset:
-    """A reduced copy of ``preset``: only ``tasks`` and main-comparison ``seeds``; ``main_only`` also drops the
-    performance figures, the learning-rate tuning and the analyses (lam sweep, unseen site, personalization).
+                    main_only: bool = False, methods: tuple[str, ...] | None = None) -> BenchPreset:
+    """A reduced copy of ``preset``: only ``tasks``, main-comparison ``seeds`` and ``methods``; ``main_only``
+    also drops the performance figures, the learning-rate tuning and the analyses (lam sweep, unseen
+    site, personalization).
 
     The preset keeps its name and every training setting, so the results (and cache entries) are
     the full preset's for the jobs that run.
@@ -185,6 +186,11 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
         out = replace(out, tasks=tuple(tp for tp in preset.tasks if tp.task in tasks))
     if seeds:
         out = replace(out, seeds=tuple(seeds))
+    if methods:
+        unknown = [m for m in methods if m not in preset.methods]
+        if unknown:
+            raise ConfigError(f"preset {preset.name} has no method(s) {unknown}; it has {', '.join(preset.methods)}")
+        out = replace(out, methods=tuple(m for m in preset.methods if m in methods))
     if main_only:
         out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=())
     return out

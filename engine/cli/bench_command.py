@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "paper: 256 px, 150 rounds, meant for a GPU")
     p.add_argument("--tasks", default=None, help="reduced run: only these tasks (comma-separated)")
     p.add_argument("--seeds", default=None, help="reduced run: only these main-comparison seeds (comma-separated)")
+    p.add_argument("--methods", default=None, help="reduced run: only these main methods (comma-separated)")
     p.add_argument("--main-only", action="store_true",
                    help="reduced run: only the main comparison (no speed figures, lr tuning or analyses)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-PRESET)")
@@ -60,6 +61,8 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
             out["seeds"] = tuple(int(s) for s in args.seeds.split(",") if s.strip())
         except ValueError:
             raise ConfigError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if args.methods:
+        out["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if args.main_only:
         out["main_only"] = True
     return out
