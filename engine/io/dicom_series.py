@@ -58,7 +58,7 @@ import numpy as np
 
 from engine.errors import CancelledError, DataError
 from engine.io.guard import check_pixel_budget, codestream_size, dicom_damage
-from engine.io.study import SeriesInfo, Study
+from engine.io.study import SeriesInfo, SourceGrid, Study
 from engine.io.volumes import LPS_TO_RAS, MAX_VOXELS, canonical_layout, robust_window, voxel_spacing
 
 log = logging.getLogger(__name__)
@@ -908,6 +908,8 @@ def read_series(files: list[DicomFile], source: Path, progress: ProgressFn | Non
         description=_descriptors(first.file.dataset, how),
         series_uid=key,
         dicom_files=tuple(dict.fromkeys(ordered_files)),
+        # (column, row, slice) in increasing position along the normal: SimpleITK's series grid.
+        source_grid=SourceGrid(shape, ras, ornt),
     )
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import DataError
-from engine.io.study import Study
+from engine.io.study import SourceGrid, Study
 
 log = logging.getLogger(__name__)
 
@@ -370,6 +370,7 @@ def read_volume(path: PathLike) -> Study:
         data, affine, description = read_itk_volume(p)
     try:
         array, canonical_affine = to_canonical(data, affine)
+        ornt, _, _ = canonical_layout(affine, tuple(data.shape[:3]))  # type: ignore[arg-type]
     except DataError as exc:
         raise DataError(f"{p}: {exc}") from exc
     if not np.isfinite(array).all():
@@ -384,4 +385,5 @@ def read_volume(path: PathLike) -> Study:
         source=p,
         source_format=fmt,
         description=description,
+        source_grid=SourceGrid(tuple(int(n) for n in data.shape[:3]), affine, ornt),  # type: ignore[arg-type]
     )
