@@ -16,6 +16,9 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     rejoin_wait = 0                      # seconds a round waits for disconnected sites to come back
     poll_interval = 0.2                  # seconds between checks for answers
     superlink_port = 0                   # loopback port of the SuperLink (0 = any free port)
+    keep_checkpoints = 3                 # checkpoints kept (a corrupt newest one falls back to the one before)
+
+    [robust]                             # bounds on sites' updates: engine.fl.robust.RobustSettings
 
     [tls]                                # defaults: <work_dir>/certs/{ca.pem,server.pem,server.key}
     ca_cert = "certs/ca.pem"
@@ -63,7 +66,8 @@ from engine.federation.spec import MethodSpec
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
 _FEDERATION_KEYS = {"sites", "address", "work_dir", "min_sites", "round_timeout", "start_timeout",
-                    "round_attempts", "poll_interval", "superlink_port", "name", "rejoin_wait"}
+                    "round_attempts", "poll_interval", "superlink_port", "name", "rejoin_wait",
+                    "keep_checkpoints"}
 _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
               "runtime_port"}
@@ -174,6 +178,9 @@ class FederationConfig:
     superlink_port: int = 0
     name: str = "fedsm"
     rejoin_wait: float = 0.0
+    keep_checkpoints: int = 3
+    #: the ``[robust]`` table as written (checked by :func:`engine.fl.robust.RobustSettings.from_dict`)
+    robust: dict[str, Any] = field(default_factory=dict)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -194,9 +201,9 @@ def load_federation_config(path: Path) -> FederationConfig:
     """Read and check ``federation.toml``."""
     path = Path(path).absolute()
     doc = _read_toml(path, "federation")
-    unknown = sorted(set(doc) - {"federation", "tls", "training"})
+    unknown = sorted(set(doc) - {"federation", "tls", "training", "robust"})
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [federation], [tls] and [training]")
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [federation], [tls], [training] and [robust]")
     fed = _table(doc, "federation", path, _FEDERATION_KEYS)
     where = f"{path} [federation]"
     sites = _get(fed, "sites", list, where, required=True)
@@ -219,6 +226,13 @@ def load_federation_config(path: Path) -> FederationConfig:
         base / _get(tls, "server_cert", str, tls_where, str(work_dir / "certs" / "server.pem")),
         base / _get(tls, "server_key", str, tls_where, str(work_dir / "certs" / "server.key")),
     )
+    keep_checkpoints = _get(fed, "keep_checkpoints", int, where, 3)
+    if keep_checkpoints < 1:
+        raise ConfigError(f"{where}: keep_checkpoints = {keep_checkpoints} must be >= 1")
+    robust = _table(doc, "robust", path, None, required=False)
+    from engine.fl.robust import RobustSettings
+
+    RobustSettings.from_dict(robust, f"{path} [robust]")  # checked now, not at the first round
     training = _table(doc, "training", path, None)
     try:
         spec = MethodSpec.from_dict({**training, "site_names": tuple(sites)})
@@ -235,6 +249,7 @@ def load_federation_config(path: Path) -> FederationConfig:
         name=_get(fed, "name", str, where, "fedsm"),
         rejoin_wait=_positive(float(_get(fed, "rejoin_wait", (int, float), where, 0.0)), "rejoin_wait", where,
                               allow_zero=True),
+        keep_checkpoints=keep_checkpoints, robust=dict(robust),
     )
 
 

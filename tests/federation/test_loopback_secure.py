@@ -126,11 +126,13 @@ def check_sites_address_serves_only_the_fleet_api(port: int, superlink_port: int
     with pytest.raises(httpx.HTTPStatusError, match="404"):
         control.StartRun(StartRunRequest())
     control.close()
-    # ... while on the coordinator's loopback interface (plain HTTP) the Control API answers
+    # ... and on the coordinator's loopback interface (plain HTTP) it answers only the coordinator's
+    # process, which holds the secret (local_auth; tests/federation/test_local_auth.py probes every call)
     local = ControlHttpClient.from_server_address(
         f"127.0.0.1:{superlink_port}", True, None,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
-    assert len(local.ListNodes(ListNodesRequest()).nodes_info) == 3
+    with pytest.raises(httpx.HTTPStatusError, match="401"):
+        local.ListNodes(ListNodesRequest())
     local.close()
     assert listening_addresses(superlink_port) == {"127.0.0.1"}
 

@@ -26,14 +26,19 @@ class ControlClient:
     ----------
     address
         ``127.0.0.1:<port>`` of the SuperLink.
+    local_secret
+        The secret the SuperLink was started with (:mod:`.local_auth`).
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, local_secret: str | None = None) -> None:
         from flwr.supercore.control import ControlHttpClient
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
+        from engine.federation.flower.local_auth import interceptors
+
         self._client = ControlHttpClient.from_server_address(
-            address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+            address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
+                                               *interceptors(local_secret)])
 
     def close(self) -> None:
         self._client.close()

@@ -134,13 +134,17 @@ async def _run(server: Any) -> None:
 
 
 def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_certfile: str | None,
-          ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None) -> None:
+          ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None,
+          local_secret: str | None = None) -> None:
     """Serve ``app`` whole on ``local`` and fleet-only on ``public`` until SIGINT or SIGTERM.
 
     The application's lifespan (which starts and stops the SuperLink's state) runs once,
-    with the loopback listener.
+    with the loopback listener. With ``local_secret``, the loopback listener answers only
+    requests that carry it (:mod:`.local_auth`).
     """
     import uvicorn
+
+    from engine.federation.flower.local_auth import guard
 
     class _Quiet(uvicorn.Server):
         """A server that leaves signals to :func:`serve`."""
@@ -151,8 +155,8 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
 
     tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
     # Flower's middleware then sees each body as one message (FleetOnly reads bodies whole too)
-    inner = _Quiet(uvicorn.Config(WholeBody(app), host=local[0], port=local[1], log_config=log_config,
-                                  access_log=False))
+    inner = _Quiet(uvicorn.Config(guard(WholeBody(app), local_secret), host=local[0], port=local[1],
+                                  log_config=log_config, access_log=False))
     outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir), host=public[0], port=public[1],
                                   lifespan="off", log_config=log_config, access_log=False, **tls))
 

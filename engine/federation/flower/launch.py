@@ -159,6 +159,7 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
     from flwr.superlink.main import create_app
 
     from engine.federation.flower.fleet_listener import serve
+    from engine.federation.flower.local_auth import secret_from_environment
 
     if not callable(getattr(module, "_run_superlink_http_api", None)):
         raise SystemExit("this Flower version's SuperLink command has no _run_superlink_http_api; FedSM needs "
@@ -171,7 +172,7 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
         serve(app, local=(lifespan_config.host, lifespan_config.port), public=(host.strip("[]"), int(port)),
               ssl_certfile=lifespan_config.ssl_certfile, ssl_keyfile=lifespan_config.ssl_keyfile,
               log_config=get_uvicorn_log_config(module.console_handler.level),
-              record_dir=None if record_dir is None else Path(record_dir))
+              record_dir=None if record_dir is None else Path(record_dir), local_secret=secret_from_environment())
 
     module._run_superlink_http_api = run_http_api
 

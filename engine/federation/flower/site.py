@@ -27,6 +27,8 @@ from engine.errors import CancelledError, ConfigError, FedSMError
 from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
 from engine.federation.events import EventWriter
 from engine.federation.flower.launch import REFUSED_APP
+from engine.federation.flower.local_auth import ENV as SECRET_ENV
+from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class SuperNodeSupervisor:
         self._thread: threading.Thread | None = None
         self._sent = threading.Condition()
         self.sent_count = 0
+        #: the SuperNode's Runtime API answers only requests with this secret (local_auth)
+        self.local_secret = new_secret()
 
     def argv(self) -> list[str]:
         args = ["--superlink", self.cfg.coordinator, "--isolation", "process", "--host", "127.0.0.1",
@@ -98,7 +102,8 @@ class SuperNodeSupervisor:
 
     def _start_child(self) -> None:
         self.child = ChildProcess("SuperNode", self.argv(), self.log_path, on_line=self._on_line,
-                                  env={"FLWR_HOME": str(self.cfg.work_dir / "flower-home")})
+                                  env={"FLWR_HOME": str(self.cfg.work_dir / "flower-home"),
+                                       SECRET_ENV: self.local_secret})
         self.child.start()
 
     def wait_forwarded(self, count: int, timeout: float = 10.0) -> bool:
@@ -149,8 +154,9 @@ class TaskExecutor:
     """Run ClientApp tasks that the SuperNode queued: approval first, then the installed engine."""
 
     def __init__(self, cfg: SiteConfig, runtime_address: str, client_app: Any, worker: Any,
-                 events: EventWriter) -> None:
+                 events: EventWriter, local_secret: str | None = None) -> None:
         self.cfg = cfg
+        self.local_secret = local_secret
         self.address = runtime_address
         self.app = client_app
         self.worker = worker
@@ -160,11 +166,12 @@ class TaskExecutor:
         from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
         from flwr.supercore.runtime import RuntimeHttpClient
 
-        interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
+        chain: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                            *interceptors(self.local_secret)]
         if token is not None:
-            interceptors.append(RuntimeTokenHttpInterceptor(token))
+            chain.append(RuntimeTokenHttpInterceptor(token))
         return RuntimeHttpClient.from_server_address(server_address=self.address, insecure=True,
-                                                     root_certificates=None, interceptors=interceptors)
+                                                     root_certificates=None, interceptors=chain)
 
     def acquire(self, client: Any) -> str | None:
         """A task token if the SuperNode has a ClientApp task waiting."""
@@ -270,7 +277,8 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     worker = SiteWorker(cfg, events, cancel=stopping, validate=validate)
     port = cfg.runtime_port or free_port()
     supervisor = SuperNodeSupervisor(cfg, insecure, port, events, cfg.work_dir / "supernode.log")
-    executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events)
+    executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events,
+                            local_secret=supervisor.local_secret)
     events.status(f"site {cfg.name} connecting to {cfg.coordinator}" + (" (INSECURE: no TLS, no site key)"
                                                                          if insecure else ""))
     supervisor.start()
