@@ -90,3 +90,29 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_equals_an_uninterrupted_ru
     resumed_grid = FakeGrid(workers_for(datalists, work))
     resumed = runner(s, resumed_grid, work, []).run(resumed_grid, checkpoint)
     assert_same_state(resumed, whole)
+
+
+@pytest.mark.slow
+def test_simulate_on_a_full_disk_writes_the_report_and_ends_with_a_clear_error(tmp_path, monkeypatch):
+    """The super model's write fails with the safetensors error a full disk gives; the report is still written."""
+    import json
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from engine.errors import FedSMError
+    from engine.simulate import SimulationConfig, run_simulation
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              "message: \"No space left on device\" })")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    cfg = SimulationConfig(task="fundus", sites=2, rounds=1, methods=("fedsm",), image_size=32, batch_size=4,
+                           device="cpu")
+    with pytest.raises(FedSMError, match=r"report was written .* supermodel.safetensors \(SafetensorError: .*No space"):
+        run_simulation(cfg, tmp_path / "out")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["supermodel"]["fedsm"]["path"] is None and "No space" in report["supermodel"]["fedsm"]["error"]
+    assert "not written" in (tmp_path / "out" / "report.md").read_text()
+    assert not (tmp_path / "out" / "supermodel.safetensors").exists()
