@@ -49,6 +49,10 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     ca_cert = "certs/ca.pem"
     private_key = "certs/site1.key"
     approved_apps = ["sha256:..."]       # app hashes this site runs (`fedsm certs app-hash`)
+
+    [bounds]                             # settings this site agrees to run: engine.security.run_spec.SiteBounds
+    allowed_methods = ["fedsm"]
+    max_epochs = 2
 """
 
 from __future__ import annotations
@@ -270,6 +274,8 @@ class SiteConfig:
     threads: int = 0
     poll_interval: float = 0.2
     runtime_port: int = 0
+    #: the ``[bounds]`` table as written (checked by :meth:`engine.security.run_spec.SiteBounds.from_dict`)
+    bounds: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for display (paths as strings)."""
@@ -297,9 +303,9 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
 
     path = Path(path).absolute()
     doc = _read_toml(path, "site")
-    unknown = sorted(set(doc) - {"site", "security"})
+    unknown = sorted(set(doc) - {"site", "security", "bounds"})
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [site] and [security]")
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [site], [security] and [bounds]")
     site = _table(doc, "site", path, _SITE_KEYS)
     where = f"{path} [site]"
     name = _get(site, "name", str, where, required=True)
@@ -331,6 +337,10 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         raise ConfigError(f"{sec_where}: {exc}") from None
     ca_cert = _get(security, "ca_cert", str, sec_where)
     private_key = _get(security, "private_key", str, sec_where)
+    from engine.security.run_spec import SiteBounds
+
+    bounds = _table(doc, "bounds", path, None, required=False)
+    SiteBounds.from_dict(bounds, f"{path} [bounds]")  # checked now, not when the first run arrives
     cfg = SiteConfig(
         path=path, name=name, coordinator=coordinator, datalist=datalist, task=task,
         work_dir=base / _get(site, "work_dir", str, where, f"{name}-work"),
@@ -339,6 +349,7 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         approved_apps=approved_apps, device=device, threads=threads,
         poll_interval=_positive(float(_get(site, "poll_interval", (int, float), where, 0.2)), "poll_interval", where),
         runtime_port=_port(_get(site, "runtime_port", int, where, 0), "runtime_port", where),
+        bounds=dict(bounds),
     )
     if check_files:
         check_site_files(cfg, secure=True)

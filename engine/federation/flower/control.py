@@ -88,13 +88,14 @@ class ControlClient:
                     log.warning("could not stop earlier run %d: %s", run_id, exc)
         return stopped
 
-    def start_run(self, fab: bytes) -> int:
-        """Start a run of the app bundle ``fab``; return its run id."""
-        from flwr.common.serde import fab_to_proto
+    def start_run(self, fab: bytes, run_config: dict[str, str] | None = None) -> int:
+        """Start a run of the app bundle ``fab`` (with ``run_config``, e.g. the signed run spec); return its run id."""
+        from flwr.common.serde import fab_to_proto, user_config_to_proto
         from flwr.proto.control_pb2 import StartRunRequest
         from flwr.supercore.fab import Fab
 
-        res = self._client.StartRun(StartRunRequest(fab=fab_to_proto(Fab(hashlib.sha256(fab).hexdigest(), fab, {}))))
+        res = self._client.StartRun(StartRunRequest(fab=fab_to_proto(Fab(hashlib.sha256(fab).hexdigest(), fab, {})),
+                                                    override_config=user_config_to_proto(dict(run_config or {}))))
         if not res.HasField("run_id"):
             raise FedSMError("the SuperLink did not start the run; see superlink.log in the work folder")
         return int(res.run_id)

@@ -227,7 +227,12 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         stale = control.stop_unfinished_runs()
         if stale:
             events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
-        control.start_run(app.content)
+        # the run's settings, signed with the coordinator's key: sites check them before pulling any payload
+        from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope
+
+        envelope = make_envelope(cfg.spec.to_json(), app.hash, session,
+                                 None if insecure else cfg.tls.server_key, None if insecure else cfg.tls.server_cert)
+        control.start_run(app.content, {RUN_CONFIG_KEY: envelope})
         token = _acquire_server_task(address, local_secret=secret)
         runtime = RuntimeHttpClient.from_server_address(
             server_address=address, insecure=True, root_certificates=None,
