@@ -56,7 +56,7 @@ AGGREGATIONS = ("mean", "median", "trimmed_mean")
 #: Methods whose ``global`` and ``selector`` parts are a plain weighted mean of the sites' parts.
 _MEAN_METHODS = {"fedavg", "fedprox", "fedsm", "fedsm-extra"}
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
-         "aggregation", "trim"}
+         "aggregation", "trim", "max_reply_mb"}
 
 
 class UpdateRejected(WeightsError):
@@ -74,6 +74,8 @@ class RobustSettings:
     max_num_examples: int = MAX_NUM_EXAMPLES
     aggregation: str = "mean"
     trim: float = 0.2
+    #: largest reply a site may upload, MiB (0: twice the method's largest legitimate reply, at least 128 MiB)
+    max_reply_mb: float = 0.0
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any] | None, where: str = "[robust]") -> RobustSettings:
@@ -110,7 +112,7 @@ class RobustSettings:
                    norm_action=action, num_examples=dict(declared),
                    num_examples_growth=number("num_examples_growth", 1.0, 1.0),
                    max_num_examples=number("max_num_examples", MAX_NUM_EXAMPLES, 1, integer=True),
-                   aggregation=aggregation, trim=trim)
+                   aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0))
 
 
 def _norm(weights: Mapping[str, torch.Tensor]) -> float:

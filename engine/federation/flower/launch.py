@@ -179,7 +179,8 @@ def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> st
     return None
 
 
-def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None) -> None:
+def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None,
+                            max_reply_bytes: int | None = None) -> None:
     """Make the SuperLink serve its API on its own port and the Fleet API alone on ``fleet_address``.
 
     Replaces ``_run_superlink_http_api`` of Flower's SuperLink command (which runs the one
@@ -204,7 +205,8 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
         serve(app, local=(lifespan_config.host, lifespan_config.port), public=(host.strip("[]"), int(port)),
               ssl_certfile=lifespan_config.ssl_certfile, ssl_keyfile=lifespan_config.ssl_keyfile,
               log_config=get_uvicorn_log_config(module.console_handler.level),
-              record_dir=None if record_dir is None else Path(record_dir), local_secret=secret_from_environment())
+              record_dir=None if record_dir is None else Path(record_dir), local_secret=secret_from_environment(),
+              max_reply_bytes=max_reply_bytes)
 
     module._run_superlink_http_api = run_http_api
 
@@ -221,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fleet-address", default=None,
                         help="SuperLink: HOST:PORT on which to serve the Fleet API alone (sites' address)")
     parser.add_argument("--record-dir", default=None, help="SuperLink: write every fleet request body there")
+    parser.add_argument("--max-reply-bytes", type=int, default=None,
+                        help="SuperLink: largest reply a site may upload (engine.federation.flower.upload_limits)")
     parser.add_argument("--run-policy", default=None,
                         help="SuperNode: JSON {ca_cert, bounds} against which each run's signed settings are checked")
     split = argv.index("--") if "--" in argv else len(argv)
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         # the command's module (the package re-exports its entry function under the same name)
         command = importlib.import_module("flwr.superlink.cli.flower_superlink")
         if args.fleet_address is not None:
-            _serve_fleet_separately(command, args.fleet_address, args.record_dir)
+            _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes)
         tuning.fleet_push_reads_content_once()
         entry = command.flower_superlink
         sys.argv = ["flower-superlink", *flower_args]
