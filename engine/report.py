@@ -114,6 +114,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("supermodel"):
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():
+            if s.get("error"):
+                lines.append(f"- {METHOD_TITLES[name]}: not written ({s['error']})")
+                continue
             lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, FedSMError
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -399,11 +399,17 @@ class Simulation:
                 self.progress({"event": "method_end", "method": name, "client_average": result.client_average,
                                "wall_s": round(result.wall_s, 2)})
         supermodel: dict[str, Any] = {}
+        failed: list[str] = []
         for name, file in (("fedsm", "supermodel.safetensors"), ("fedsm-extra", "supermodel-extra.safetensors")):
             if name in bundles:
                 path = self.out_dir / file
-                digest = save_bundle(path, bundles[name])
-                supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+                try:
+                    digest = save_bundle(path, bundles[name])
+                    supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+                except Exception as exc:  # a full disk or a failing write: the report is still written
+                    reason = _write_failure(exc)
+                    supermodel[name] = {"path": None, "error": f"could not write {file}: {reason}"}
+                    failed.append(f"{file} ({reason})")
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -416,8 +422,24 @@ class Simulation:
             "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
             "wall_s": round(time.perf_counter() - started, 2),
         }
-        write_reports(self.out_dir, report)
+        try:
+            write_reports(self.out_dir, report)
+        except Exception as exc:
+            raise FedSMError(f"training finished, but the report could not be written to {self.out_dir} "
+                             f"({_write_failure(exc)})" + (f"; nor could {', '.join(failed)}" if failed else "")
+                             + "; free disk space or choose another --out and run again") from None
+        if failed:
+            raise FedSMError(f"training finished and the report was written to {self.out_dir}, but "
+                             f"{', '.join(failed)} could not be written; free disk space or choose another --out "
+                             "and run again")
         return report
+
+
+def _write_failure(exc: BaseException) -> str:
+    """What went wrong with a file write, in one line (OSError's strerror, else the message)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _site_summary(site: Any) -> dict[str, Any]:
