@@ -103,6 +103,17 @@ def validate_data(datalists: list[Path], convention: str | None = None, task: st
     return validate_datalists([Path(p) for p in datalists], convention=convention, task=task, progress=progress)
 
 
+def build_datalist(images_dir: Path, masks_dir: Path, out: Path, **options: Any) -> Any:
+    """Pair images with masks by name, split by case (seeded) and write a datalist (``fedsm datalist``).
+
+    ``options`` are :func:`engine.data.datalist_builder.build_datalist`'s keywords (task, convention,
+    name, split, seed, mask_suffix, case_pattern, allow_outside); returns its ``BuildResult``.
+    """
+    from engine.data.datalist_builder import build_datalist as build
+
+    return build(Path(images_dir), Path(masks_dir), Path(out), **options)
+
+
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
           mask_format: str | None = None) -> dict[str, Any]:

@@ -56,9 +56,15 @@ class SimulationConfig:
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
+    #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
+    #: count and no synthetic data is made.
+    datalists: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         get_task(self.task)
+        if self.datalists:
+            self.datalists = tuple(str(p) for p in self.datalists)
+            self.sites = len(self.datalists)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -85,9 +91,12 @@ class SimulationConfig:
 
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
-    """Reuse matching synthetic data under the data folder, or generate it."""
+    """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
     from engine.data.synth import existing_federation, generate_federation
 
+    if cfg.datalists:
+        log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
+        return [Path(p) for p in cfg.datalists]
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
     found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
     if found is not None:
