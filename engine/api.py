@@ -116,12 +116,25 @@ def build_datalist(images_dir: Path, masks_dir: Path, out: Path, **options: Any)
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
-          mask_format: str | None = None) -> dict[str, Any]:
-    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``."""
+          mask_format: str | None = None, force_model: str | None = None) -> dict[str, Any]:
+    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``.
+
+    ``force_model`` (``"global"`` or a site name) sends every image to that model instead of routing.
+    """
     from engine.inference.run import infer_path
 
     return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
-                      cancel=cancel, mask_format=mask_format)
+                      cancel=cancel, mask_format=mask_format, force_model=force_model)
+
+
+def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_choice: str = "routed",
+             gamma: float | None = None, device: str = "auto",
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Dice and HD95 of a bundle against the expert masks of site datalists (``fedsm evaluate``)."""
+    from engine.inference.evaluate import evaluate_bundle
+
+    return evaluate_bundle(Path(model), [Path(p) for p in datalists], split=split, model_choice=model_choice,
+                           gamma=gamma, device=device, progress=progress)
 
 
 def read_bundle_metadata(path: Path) -> dict[str, Any]:

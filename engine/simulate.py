@@ -254,6 +254,7 @@ class Simulation:
         else:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
+            extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra)
@@ -323,6 +324,21 @@ class Simulation:
             val_dice=val_dice, extra={"seed": self.cfg.seed})
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
+
+    def _single_model_bundle(self, name: str, weights: Any, rounds: int) -> Any:
+        """FedAvg/FedProx/Scaffold's global model as a single-model bundle, with its per-site validation Dice."""
+        from engine.bundle.single import single_model_bundle
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        val_dice: dict[str, float | None] = {}
+        for site in self.sites:
+            v = site.validation
+            value = (float(dice_per_case(segment_with(self.task, weights, v.images, self.cfg.device),
+                                         v.masks, v.case_ids).mean()) if len(v.images) else None)
+            val_dice[site.name] = value if value is not None and np.isfinite(value) else None
+        return single_model_bundle(self.task.name, name, weights, [s.name for s in self.sites], self.cfg.image_size,
+                                   rounds=rounds, val_dice=val_dice,
+                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate"})
 
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:
@@ -413,6 +429,13 @@ class Simulation:
                 path = self.out_dir / file
                 digest = save_bundle(path, bundles[name])
                 supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+        # FedAvg, FedProx, Scaffold: their global model as a single-model bundle <method>.safetensors
+        global_models: dict[str, Any] = {}
+        for name, bundle in bundles.items():
+            if name not in ("fedsm", "fedsm-extra"):
+                path = self.out_dir / f"{name}.safetensors"
+                digest = save_bundle(path, bundle)
+                global_models[name] = {"path": path.name, "sha256": digest, "bytes": path.stat().st_size}
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -422,6 +445,7 @@ class Simulation:
             "sites": [_site_summary(s) for s in self.sites],
             "methods": {name: asdict(r) for name, r in results.items()},
             "supermodel": supermodel,
+            "global_models": global_models,
             "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
             "wall_s": round(time.perf_counter() - started, 2),
         }

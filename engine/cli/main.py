@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--format", dest="mask_format", choices=["nifti", "png", "dicom-seg"], default=None,
                    help="mask format (default: nifti for volumes, png for photos; dicom-seg needs DICOM input)")
+    p.add_argument("--model-choice", default="routed", metavar="routed|global|SITE",
+                   help="routed (default: the selector picks per image), global, or a site's name (its "
+                        "personalized model; also personal:SITE)")
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -150,8 +153,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "infer":
         setup_logging(args.verbose)
+        choice = args.model_choice.strip()
+        force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
-                            mask_format=args.mask_format)
+                            mask_format=args.mask_format, force_model=force)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "

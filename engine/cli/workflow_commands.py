@@ -54,6 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "case stay in one section); default: one image = one case")
     add_allow_outside(p)
     p.set_defaults(handler=datalist_command)
+    register_evaluate(sub)
 
 
 def datalist_command(args: argparse.Namespace) -> int:
@@ -80,3 +81,44 @@ def _json_out(path: Path | None, doc: dict) -> None:
     if path.is_dir():
         raise ConfigError(f"{path}: is a folder; give a file name for the JSON, e.g. {path / 'evaluation.json'}")
     write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+
+def register_evaluate(sub: argparse._SubParsersAction) -> None:
+    """Add ``evaluate`` to the ``fedsm`` parser."""
+    p = sub.add_parser(
+        "evaluate", help="Dice and HD95 of a bundle against the expert masks of site datalists",
+        description="Segment every image of a datalist section with a bundle (routed, global, personalized or all) "
+                    "and compare with the expert masks: per-site and per-image Dice and HD95 per structure "
+                    "(MONAI metrics), and where the selector routed each image.")
+    p.add_argument("--model", type=Path, required=True, help="bundle (.safetensors) from simulate or a federation")
+    p.add_argument("--datalist", type=Path, nargs="+", required=True, metavar="DATALIST",
+                   help="one datalist per site; its 'name' is the site's name")
+    p.add_argument("--split", choices=["training", "validation", "testing"], default="testing",
+                   help="datalist section to evaluate (default testing)")
+    p.add_argument("--model-choice", default="routed", metavar="CHOICE",
+                   help="routed (default), global, personal (each site's own model), personal:SITE, or all")
+    p.add_argument("--gamma", type=float, default=None, help="routing threshold (default: the bundle's)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the full report here")
+    add_allow_outside(p)
+    p.set_defaults(handler=evaluate_command)
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    """Handler of ``fedsm evaluate``."""
+    from engine import api
+    from engine.cli.main import setup_logging
+    from engine.data.datalist import outside_paths_allowed
+    from engine.inference.evaluate import format_evaluation
+
+    setup_logging(args.verbose)
+    if args.json is not None and args.json.is_dir():
+        raise ConfigError(f"{args.json}: is a folder; give a file name, e.g. {args.json / 'evaluation.json'}")
+    with outside_paths_allowed(args.allow_outside):
+        report = api.evaluate(args.model, args.datalist, split=args.split, model_choice=args.model_choice,
+                              gamma=args.gamma, device=args.device)
+    print(format_evaluation(report))
+    if args.json is not None:
+        _json_out(args.json, report)
+        print(f"wrote {args.json}")
+    return 0

@@ -116,7 +116,6 @@ def _acquire_server_task(address: str, timeout: float = 60.0) -> str:
 def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], history: list[dict[str, Any]],
                   session: str, app_hash: str) -> dict[str, Any]:
     """Write the trained models and ``summary.json``; return the summary."""
-    from engine.federation.checkpoint import save_weightset
 
     spec = cfg.spec
     files: dict[str, str] = {}
@@ -137,8 +136,16 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
         files["supermodel"] = "supermodel.safetensors"
     elif "global" in state:
-        save_weightset(cfg.work_dir / "global.safetensors", {"global": state["global"]},
-                       {"format": "fedsm-global-model", "method": spec.method, "session": session})
+        # a single-model bundle, so fedsm infer / evaluate and the desktop app open it like a super model
+        from engine.bundle import save_bundle
+        from engine.bundle.single import single_model_bundle
+
+        bundle = single_model_bundle(spec.task, spec.method, state["global"], list(spec.site_names),
+                                     spec.image_size, rounds=method.total_rounds,
+                                     val_dice={s: None for s in spec.site_names},
+                                     extra={"seed": spec.seed, "session": session, "app_hash": app_hash,
+                                            "trained_by": "fedsm server"})
+        save_bundle(cfg.work_dir / "global.safetensors", bundle)
         files["global"] = "global.safetensors"
     summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
                "rounds": history, "files": files}
