@@ -144,7 +144,7 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
     loaded = load_predictor(model, device)
     meta = loaded.predictor.metadata
     task = get_task(meta.task)
-    site_names = list(meta.site_names)
+    site_names = list(meta.personal_sites)  # sites with a personalized model (none in a single-model bundle)
     choices = parse_model_choice(model_choice, site_names)
     if not site_names:
         choices = ["global" if c == "routed" else c for c in choices]
@@ -209,7 +209,7 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
             "hd95": {lb: _mean([s["hd95"][lb] for s in doc["sites"].values()]) for lb in labels},
         }
     return {"schema": SCHEMA, "bundle": {"name": loaded.name, "sha256": loaded.sha256, "method": meta.method,
-                                          "task": meta.task, "sites": site_names, "routing": meta.routing,
+                                          "task": meta.task, "sites": list(meta.site_names), "routing": meta.routing,
                                           "gamma": meta.gamma if gamma is None else gamma},
             "split": split, "labels": labels, "hd95_unit": "mm" if task.volumetric else "pixels",
             "choices": per_choice, "images": rows}
