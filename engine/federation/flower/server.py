@@ -33,6 +33,7 @@ from engine.federation.checkpoint import Checkpoint
 from engine.federation.config import FederationConfig, is_loopback
 from engine.federation.events import EventWriter
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.federation.preflight import round_banner
 from engine.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,16 @@ def _security_inputs(cfg: FederationConfig, insecure: bool) -> dict[str, bytes]:
         raise ConfigError(f"site(s) {', '.join(missing)} not enrolled; for each, run 'fedsm enroll --config "
                           f"{cfg.path} --site NAME --public-key NAME.pub.pem' with the key the site sent")
     return {s: keys[s] for s in cfg.sites}
+
+
+def _check_ports(cfg: FederationConfig) -> None:
+    """One clear line when the Fleet address or the fixed SuperLink port is taken (see engine.federation.preflight)."""
+    from engine.federation.preflight import check_port_free
+
+    check_port_free(cfg.host, cfg.port, "the coordinator's address", f"{cfg.path} [federation] address")
+    if cfg.superlink_port:
+        check_port_free("127.0.0.1", cfg.superlink_port, "the SuperLink's loopback port",
+                        f"{cfg.path} [federation] superlink_port")
 
 
 def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[str]:
@@ -195,10 +206,11 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     keys = _security_inputs(cfg, insecure)
+    _check_ports(cfg)
     app = build_app_bundle()
     checkpoint, session = _prepare_resume(cfg, resume, app.hash, events)
     method = build_method(cfg.spec)
-    events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {method.total_rounds} rounds; "
+    events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {round_banner(method)}; "
                   f"app {app.hash}")
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
