@@ -56,9 +56,15 @@ class SimulationConfig:
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
+    #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
+    #: count and no synthetic data is made.
+    datalists: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         get_task(self.task)
+        if self.datalists:
+            self.datalists = tuple(str(p) for p in self.datalists)
+            self.sites = len(self.datalists)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -85,9 +91,12 @@ class SimulationConfig:
 
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
-    """Reuse matching synthetic data under the data folder, or generate it."""
+    """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
     from engine.data.synth import existing_federation, generate_federation
 
+    if cfg.datalists:
+        log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
+        return [Path(p) for p in cfg.datalists]
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
     found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
     if found is not None:
@@ -245,6 +254,7 @@ class Simulation:
         else:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
+            extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra)
@@ -314,6 +324,21 @@ class Simulation:
             val_dice=val_dice, extra={"seed": self.cfg.seed})
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
+
+    def _single_model_bundle(self, name: str, weights: Any, rounds: int) -> Any:
+        """FedAvg/FedProx/Scaffold's global model as a single-model bundle, with its per-site validation Dice."""
+        from engine.bundle.single import single_model_bundle
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        val_dice: dict[str, float | None] = {}
+        for site in self.sites:
+            v = site.validation
+            value = (float(dice_per_case(segment_with(self.task, weights, v.images, self.cfg.device),
+                                         v.masks, v.case_ids).mean()) if len(v.images) else None)
+            val_dice[site.name] = value if value is not None and np.isfinite(value) else None
+        return single_model_bundle(self.task.name, name, weights, [s.name for s in self.sites], self.cfg.image_size,
+                                   rounds=rounds, val_dice=val_dice,
+                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate"})
 
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:
@@ -399,17 +424,22 @@ class Simulation:
                 self.progress({"event": "method_end", "method": name, "client_average": result.client_average,
                                "wall_s": round(result.wall_s, 2)})
         supermodel: dict[str, Any] = {}
+        global_models: dict[str, Any] = {}
         failed: list[str] = []
-        for name, file in (("fedsm", "supermodel.safetensors"), ("fedsm-extra", "supermodel-extra.safetensors")):
-            if name in bundles:
-                path = self.out_dir / file
-                try:
-                    digest = save_bundle(path, bundles[name])
-                    supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
-                except Exception as exc:  # a full disk or a failing write: the report is still written
-                    reason = _write_failure(exc)
-                    supermodel[name] = {"path": None, "error": f"could not write {file}: {reason}"}
-                    failed.append(f"{file} ({reason})")
+        # FedSM's super models under their historic names; FedAvg, FedProx, Scaffold (and the other
+        # methods with a bundle) as a single-model bundle <method>.safetensors.
+        files = {"fedsm": "supermodel.safetensors", "fedsm-extra": "supermodel-extra.safetensors"}
+        for name, bundle in bundles.items():
+            file = files.get(name, f"{name}.safetensors")
+            entries = supermodel if name in files else global_models
+            path = self.out_dir / file
+            try:
+                digest = save_bundle(path, bundle)
+                entries[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+            except Exception as exc:  # a full disk or a failing write: the report is still written
+                reason = _write_failure(exc)
+                entries[name] = {"path": None, "error": f"could not write {file}: {reason}"}
+                failed.append(f"{file} ({reason})")
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -419,6 +449,7 @@ class Simulation:
             "sites": [_site_summary(s) for s in self.sites],
             "methods": {name: asdict(r) for name, r in results.items()},
             "supermodel": supermodel,
+            "global_models": global_models,
             "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
             "wall_s": round(time.perf_counter() - started, 2),
         }

@@ -46,10 +46,14 @@ BUNDLE_FORMAT_VERSION = 1
 #: safetensors metadata key holding the :class:`BundleMetadata` JSON.
 METADATA_KEY = "fedsm"
 
-METHODS = ("fedsm", "fedsm-extra")
-ROUTINGS = ("gamma", "argmax")
-#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models.
-ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax"}
+#: Methods whose result is one global model: a *single-model bundle* (routing ``"none"``: no
+#: selector, no personalized models; ``site_names`` are the sites that trained it).
+SINGLE_MODEL_METHODS = ("fedavg", "fedprox", "scaffold", "centralized")
+METHODS = ("fedsm", "fedsm-extra", *SINGLE_MODEL_METHODS)
+ROUTINGS = ("gamma", "argmax", "none")
+#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models;
+#: single-model bundles do not route.
+ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
@@ -161,13 +165,26 @@ class BundleMetadata:
 
     @property
     def selector_classes(self) -> int:
-        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing."""
+        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing, 0 without one."""
+        if self.routing == "none":
+            return 0
         return self.num_sites + (1 if self.routing == "argmax" else 0)
 
     @property
+    def single_model(self) -> bool:
+        """Whether this is a single-model bundle (FedAvg, FedProx, Scaffold: the global model only)."""
+        return self.routing == "none"
+
+    @property
+    def personal_sites(self) -> list[str]:
+        """Sites with a personalized model in the bundle: all of ``site_names``, none for a single model."""
+        return [] if self.single_model else list(self.site_names)
+
+    @property
     def model_names(self) -> list[str]:
-        """Name of every routable model by index: ``["global", site_1, ..., site_K]``."""
-        return ["global", *self.site_names]
+        """Name of every routable model by index: ``["global", site_1, ..., site_K]`` (``["global"]`` alone
+        for a single-model bundle)."""
+        return ["global", *self.personal_sites]
 
     def validate(self) -> None:
         """Check every field and their consistency; raise :class:`ConfigError` on the first problem."""
@@ -341,15 +358,16 @@ def _flatten(bundle: SuperModelBundle) -> dict[str, torch.Tensor]:
     tensor whose storage was already seen is cloned.
     """
     meta = bundle.metadata
-    declared, given = set(meta.site_names), set(bundle.personal_weights)
+    declared, given = set(meta.personal_sites), set(bundle.personal_weights)
     if declared != given:
         raise ConfigError(
             f"personal weights are for sites {sorted(given)} but metadata declares {meta.site_names}; "
             "give one personalized model per declared site"
         )
     parts: list[tuple[str, dict[str, torch.Tensor]]] = [("global", bundle.global_weights)]
-    parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.site_names]
-    parts.append(("selector", bundle.selector_weights))
+    parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.personal_sites]
+    if not meta.single_model:
+        parts.append(("selector", bundle.selector_weights))
 
     flat: dict[str, torch.Tensor] = {}
     seen_storage: set[int] = set()
@@ -485,7 +503,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
     metadata = read_metadata(p)
     global_weights: dict[str, torch.Tensor] = {}
     selector_weights: dict[str, torch.Tensor] = {}
-    personal: dict[str, dict[str, torch.Tensor]] = {site: {} for site in metadata.site_names}
+    personal: dict[str, dict[str, torch.Tensor]] = {site: {} for site in metadata.personal_sites}
     try:
         with safe_open(str(p), framework="pt", device="cpu") as fh:
             for name in fh.keys():
@@ -499,7 +517,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
                     if site not in personal:
                         raise BundleError(
                             f"{p}: holds weights for site {site!r}, which its metadata does not declare "
-                            f"(sites: {metadata.site_names}); the file is inconsistent, export it again"
+                            f"(sites: {metadata.personal_sites}); the file is inconsistent, export it again"
                         )
                     personal[site][key] = fh.get_tensor(name)
                 else:
@@ -514,7 +532,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
     missing = [f"site {site!r}" for site, w in personal.items() if not w]
     if not global_weights:
         missing.insert(0, "the global model")
-    if not selector_weights:
+    if not selector_weights and not metadata.single_model:
         missing.append("the model selector")
     if missing:
         raise BundleError(
