@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, FedSMError
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,9 @@ class SimulationConfig:
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
+    #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
+    #: count and no synthetic data is made.
+    datalists: tuple[str, ...] = ()
     lr_schedule: str = "constant"
     lr_min_ratio: float = 0.01
     loss: str = "dice"
@@ -68,6 +71,9 @@ class SimulationConfig:
 
     def __post_init__(self) -> None:
         get_task(self.task)
+        if self.datalists:
+            self.datalists = tuple(str(p) for p in self.datalists)
+            self.sites = len(self.datalists)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -95,9 +101,12 @@ class SimulationConfig:
 
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
-    """Reuse matching synthetic data under the data folder, or generate it."""
+    """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
     from engine.data.synth import existing_federation, generate_federation
 
+    if cfg.datalists:
+        log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
+        return [Path(p) for p in cfg.datalists]
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
     found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
     if found is not None:
@@ -264,6 +273,7 @@ class Simulation:
         else:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
+            extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra, **self._selection(keeper, method))
@@ -371,6 +381,21 @@ class Simulation:
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
 
+    def _single_model_bundle(self, name: str, weights: Any, rounds: int) -> Any:
+        """FedAvg/FedProx/Scaffold's global model as a single-model bundle, with its per-site validation Dice."""
+        from engine.bundle.single import single_model_bundle
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        val_dice: dict[str, float | None] = {}
+        for site in self.sites:
+            v = site.validation
+            value = (float(dice_per_case(segment_with(self.task, weights, v.images, self.cfg.device),
+                                         v.masks, v.case_ids).mean()) if len(v.images) else None)
+            val_dice[site.name] = value if value is not None and np.isfinite(value) else None
+        return single_model_bundle(self.task.name, name, weights, [s.name for s in self.sites], self.cfg.image_size,
+                                   rounds=rounds, val_dice=val_dice,
+                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate"})
+
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:
         from engine.fl.evaluation import dice_per_case, segment_with
@@ -455,11 +480,22 @@ class Simulation:
                 self.progress({"event": "method_end", "method": name, "client_average": result.client_average,
                                "wall_s": round(result.wall_s, 2)})
         supermodel: dict[str, Any] = {}
-        for name, file in (("fedsm", "supermodel.safetensors"), ("fedsm-extra", "supermodel-extra.safetensors")):
-            if name in bundles:
-                path = self.out_dir / file
-                digest = save_bundle(path, bundles[name])
-                supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+        global_models: dict[str, Any] = {}
+        failed: list[str] = []
+        # FedSM's super models under their historic names; FedAvg, FedProx, Scaffold (and the other
+        # methods with a bundle) as a single-model bundle <method>.safetensors.
+        files = {"fedsm": "supermodel.safetensors", "fedsm-extra": "supermodel-extra.safetensors"}
+        for name, bundle in bundles.items():
+            file = files.get(name, f"{name}.safetensors")
+            entries = supermodel if name in files else global_models
+            path = self.out_dir / file
+            try:
+                digest = save_bundle(path, bundle)
+                entries[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+            except Exception as exc:  # a full disk or a failing write: the report is still written
+                reason = _write_failure(exc)
+                entries[name] = {"path": None, "error": f"could not write {file}: {reason}"}
+                failed.append(f"{file} ({reason})")
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -469,11 +505,28 @@ class Simulation:
             "sites": [_site_summary(s) for s in self.sites],
             "methods": {name: asdict(r) for name, r in results.items()},
             "supermodel": supermodel,
+            "global_models": global_models,
             "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
             "wall_s": round(time.perf_counter() - started, 2),
         }
-        write_reports(self.out_dir, report)
+        try:
+            write_reports(self.out_dir, report)
+        except Exception as exc:
+            raise FedSMError(f"training finished, but the report could not be written to {self.out_dir} "
+                             f"({_write_failure(exc)})" + (f"; nor could {', '.join(failed)}" if failed else "")
+                             + "; free disk space or choose another --out and run again") from None
+        if failed:
+            raise FedSMError(f"training finished and the report was written to {self.out_dir}, but "
+                             f"{', '.join(failed)} could not be written; free disk space or choose another --out "
+                             "and run again")
         return report
+
+
+def _write_failure(exc: BaseException) -> str:
+    """What went wrong with a file write, in one line (OSError's strerror, else the message)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _site_summary(site: Any) -> dict[str, Any]:
