@@ -57,6 +57,8 @@ class SimulationConfig:
     device: str = "auto"
     data_dir: str | None = None
     selector_calibration: str = "none"
+    selector_warmup: int = 0
+    selector_epochs: int = 1
     routing_guard: bool = True
     holdout_site: str | None = None
 
@@ -94,7 +96,7 @@ class SimulationConfig:
         scheme = "lda" if per_batch_selector else self.selector_calibration
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                    selector_lr=default_selector_lr(scheme, self.selector_lr),
-                                   selector_size=self.selector_size,
+                                   selector_size=self.selector_size, selector_epochs=self.selector_epochs,
                                    selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device)
 
 
@@ -220,7 +222,7 @@ class Simulation:
             return m.FedProx(self.task, names, training, cfg.seed, cfg.rounds, mu=cfg.prox_mu)
         if name == "fedsm":
             return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
-                           selector_calibration=cfg.selector_calibration)
+                           selector_calibration=cfg.selector_calibration, selector_warmup=cfg.selector_warmup)
         if name == "fedsm-extra":
             return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
                                 lam=cfg.lam, gamma=cfg.gamma, extra_rounds=cfg.extra_rounds)

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finish the selector after training: none (reference training alone), temperature "
                         "(temperature scaling from the sites' validation NLL sums) or lda (the older per-batch "
                         "selector with an LDA last layer; routes unseen sites to a site model, see docs)")
+    p.add_argument("--selector-warmup", type=int, default=0, metavar="ROUNDS",
+                   help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
+    p.add_argument("--selector-epochs", type=int, default=1,
+                   help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
@@ -125,7 +129,9 @@ def _run(args: argparse.Namespace) -> int:
                 gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                 selector_lr=args.selector_lr, selector_size=args.selector_size,
                 selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
-                selector_calibration=args.selector_calibration, routing_guard=args.routing_guard,
+                selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
+                selector_epochs=args.selector_epochs,
+                routing_guard=args.routing_guard,
                 holdout_site=args.holdout_site,
                 device=args.device, data_dir=str(args.data) if args.data else None)
         finally:

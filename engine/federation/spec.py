@@ -43,6 +43,8 @@ class MethodSpec:
     selector_size: int = 32
     selector_head: str = "gap"
     selector_calibration: str = "none"
+    selector_warmup: int = 0
+    selector_epochs: int = 1
     routing_guard: bool = True
 
     def __post_init__(self) -> None:
@@ -118,7 +120,7 @@ class MethodSpec:
     def total_rounds(self) -> int:
         """Communication rounds the method runs (FedSM adds a calibration round, FedSM-extra more)."""
         if self.method == "fedsm":
-            return self.rounds + 1
+            return int(self.selector_warmup) + self.rounds + 1
         if self.method == "fedsm-extra":
             return self.rounds + int(self.extra_rounds or 0) + 1
         return self.rounds
@@ -140,13 +142,13 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     scheme = "lda" if spec.method == "fedsm-extra" else spec.selector_calibration
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=default_selector_lr(scheme, spec.selector_lr),
-                                   selector_size=spec.selector_size,
+                                   selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
                                    selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
     if spec.method == "fedsm":
         return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma,
-                       selector_calibration=spec.selector_calibration)
+                       selector_calibration=spec.selector_calibration, selector_warmup=int(spec.selector_warmup))
     if spec.method == "fedsm-extra":
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                             gamma=spec.gamma, extra_rounds=int(spec.extra_rounds or 1))

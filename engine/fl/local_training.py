@@ -68,6 +68,9 @@ class LocalTrainingConfig:
         Side in pixels of the images the selector sees.
     selector_head
         ``"gap"`` (default) or ``"classic"`` (VGG's 25088-4096-4096 head, comparison only).
+    selector_epochs
+        Reference scheme: passes over the site's images per round, one Adam step after each
+        (the reference's ``fedsm_select_epochs``, default 1: one step per round).
     prox_mu
         FedProx proximal coefficient (0 = off).
     device
@@ -81,10 +84,13 @@ class LocalTrainingConfig:
     selector_size: int = 32
     selector_head: str = "gap"
     selector_optimizer: str = "adam"
+    selector_epochs: int = 1
     prox_mu: float = 0.0
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.selector_epochs < 1:
+            raise ConfigError(f"selector_epochs must be >= 1, got {self.selector_epochs}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError(f"epochs and batch_size must be >= 1, got {self.epochs} and {self.batch_size}")
         if self.lr <= 0 or self.selector_lr <= 0:

@@ -360,13 +360,18 @@ class FedSM(FederatedMethod):
         Routing threshold recorded for inference (Algorithm 2, strict ``>``).
     selector_calibration
         ``"none"``, ``"temperature"`` or ``"lda"`` (see above).
+    selector_warmup
+        Selector-only rounds before Algorithm 1 (reference scheme only): the selector gets one
+        Adam step per round, so short runs (tens of rounds, where the paper trains hundreds)
+        give it more steps this way at a fraction of a full round's cost; the segmentation
+        models are neither sent nor trained in them. 0 (default) is the paper's schedule.
     """
 
     name = "fedsm"
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
-                 selector_calibration: str = "none") -> None:
+                 selector_calibration: str = "none", selector_warmup: int = 0) -> None:
         super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
         if not 0.0 <= gamma <= 1.0:
@@ -374,6 +379,12 @@ class FedSM(FederatedMethod):
         self.lam = lam
         self.gamma = gamma
         self.selector_calibration = check_calibration(selector_calibration)
+        if isinstance(selector_warmup, bool) or not isinstance(selector_warmup, int) or selector_warmup < 0:
+            raise ConfigError(f"selector_warmup must be a whole number >= 0, got {selector_warmup!r}")
+        if selector_warmup and not self.reference_selector:
+            raise ConfigError("selector warm-up rounds need the reference selector; drop --selector-warmup or "
+                              "choose --selector-calibration none or temperature")
+        self.selector_warmup = selector_warmup
 
     @property
     def reference_selector(self) -> bool:
@@ -386,11 +397,14 @@ class FedSM(FederatedMethod):
 
     @property
     def total_rounds(self) -> int:
-        return self.rounds + 1
+        return self.selector_warmup + self.rounds + 1
 
     def phase(self, rnd: int) -> str:
-        """``"train"`` (Algorithm 1) or ``"calibrate"`` (validation Dice and selector statistics, last round)."""
-        return "calibrate" if rnd == self.total_rounds else "train"
+        """``"selector"`` (warm-up), ``"train"`` (Algorithm 1) or ``"calibrate"`` (validation Dice and
+        selector statistics, last round)."""
+        if rnd == self.total_rounds:
+            return "calibrate"
+        return "selector" if rnd <= self.selector_warmup else "train"
 
     def initial_state(self) -> WeightSet:
         init = self._initial_segmentation()
@@ -401,10 +415,14 @@ class FedSM(FederatedMethod):
         return state
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        if self.phase(rnd) == "calibrate":
+        phase = self.phase(rnd)
+        if phase == "calibrate":
             return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"],
                                           "selector": state["selector"]},
                                     {"phase": "calibrate", "calibration": self.selector_calibration})
+        if phase == "selector":
+            return SiteInstructions(rnd, {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]},
+                                    {"phase": "selector"})
         weights = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
         if self.reference_selector:
             weights[OPTIM_PART] = state[OPTIM_PART]
@@ -419,6 +437,11 @@ class FedSM(FederatedMethod):
             if TEMPERATURE_PART in parts:
                 check_temperature_statistics(update.weights[TEMPERATURE_PART], f"temperature statistics from {site}")
             check_validation_metrics(update.metrics, f"validation Dice from {site}")
+            if update.num_samples <= 0:
+                raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
+        elif parts == {"selector", OPTIM_PART}:  # a warm-up round's answer
+            check_compatible(state["selector"], update.weights["selector"], f"selector update from {site}")
+            check_compatible(state[OPTIM_PART], update.weights[OPTIM_PART], f"selector optimizer state from {site}")
             if update.num_samples <= 0:
                 raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
         else:
@@ -451,11 +474,15 @@ class FedSM(FederatedMethod):
         return build_selector(self.task.in_channels, self.num_selector_classes, self.training.selector_head)  # type: ignore[arg-type]
 
     def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        if self.phase(rnd) == "calibrate":
+        phase = self.phase(rnd)
+        if phase == "calibrate":
             return self._calibrate(state, updates)
         new = dict(state)
-        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
         new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
+        if phase == "selector":
+            new[OPTIM_PART] = fedavg([(u.weights[OPTIM_PART], u.num_samples) for u in updates.values()])
+            return new
+        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
         if self.reference_selector:
             # the reference averages Adam's moments with the same weights as the selector itself
             new[OPTIM_PART] = fedavg([(u.weights[OPTIM_PART], u.num_samples) for u in updates.values()])
@@ -487,11 +514,17 @@ class FedSM(FederatedMethod):
 
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        if self.phase(instructions.round) == "calibrate":
+        phase = self.phase(instructions.round)
+        if phase == "calibrate":
             return self._final_update(instructions, site)
         ctx = self._context(instructions.round, site, progress, cancel)
         w = instructions.weights
         seed = self._site_seed(instructions.round, site)
+        if phase == "selector":
+            sel, optim, sel_metrics = reference_selector_round(
+                self.task, w["selector"], w[OPTIM_PART], np.full(len(site.train.images), site.index),
+                self.num_selector_classes, site.train.images, self.training, derived_seed(seed, "selector"), ctx)
+            return SiteUpdate({"selector": sel, OPTIM_PART: optim}, len(site.train.images), sel_metrics)
         glob, pers, sel, metrics = train_fedsm_round(
             self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
             site.train, self.training, seed, ctx, train_selector=not self.reference_selector)

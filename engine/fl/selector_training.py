@@ -131,7 +131,7 @@ def reference_selector_round(
     seed: int,
     ctx: RoundContext,
 ) -> tuple[Weights, Weights, dict[str, float]]:
-    """One site's selector round: summed gradient over one pass, one Adam step.
+    """One site's selector round: summed gradient over one pass, one Adam step (per ``cfg.selector_epochs``).
 
     Parameters
     ----------
@@ -164,21 +164,27 @@ def reference_selector_round(
     freeze_batchnorm_statistics(net)
     small = selector_inputs(images, cfg.selector_size)
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
-    batches = batch_order(len(small), cfg.batch_size, 1, seed)
-    net.zero_grad(set_to_none=True)
+    state: Weights = dict(optimizer_state)
     total = correct = 0.0
-    for i, idx in enumerate(batches, start=1):
-        ctx.check_cancel()
-        xs = _to_device(small, idx, device)
-        y = targets[idx].to(device.torch_device)
-        logits = net(xs)  # float32: the selector is small, and summed fp16 gradients would underflow
-        loss = F.cross_entropy(logits, y)
-        loss.backward()  # gradients add up over the pass
-        total += float(loss.detach())
-        correct += float((logits.detach().argmax(1) == y).sum())
-        ctx.report(i, len(batches), {"selector": float(loss.detach())})
-    new_state = adam_step_from_state(net, optimizer_state, cfg.selector_lr)
-    metrics = {"loss_selector": total / max(len(batches), 1),
+    steps = 0
+    for epoch in range(cfg.selector_epochs):
+        batches = batch_order(len(small), cfg.batch_size, 1, seed + epoch)
+        net.zero_grad(set_to_none=True)
+        for i, idx in enumerate(batches, start=1):
+            ctx.check_cancel()
+            xs = _to_device(small, idx, device)
+            y = targets[idx].to(device.torch_device)
+            logits = net(xs)  # float32: the selector is small, and summed fp16 gradients would underflow
+            loss = F.cross_entropy(logits, y)
+            loss.backward()  # gradients add up over the pass
+            if epoch == 0:
+                total += float(loss.detach())
+                correct += float((logits.detach().argmax(1) == y).sum())
+                steps = len(batches)
+            ctx.report(i, len(batches), {"selector": float(loss.detach())})
+        state = adam_step_from_state(net, state, cfg.selector_lr)  # one step per pass
+    new_state = state
+    metrics = {"loss_selector": total / max(steps, 1),
                "selector_accuracy": correct / max(len(small), 1)}
     return clone_weights(net.state_dict()), new_state, metrics
 
