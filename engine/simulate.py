@@ -59,6 +59,7 @@ class SimulationConfig:
     selector_calibration: str = "none"
     selector_warmup: int = 0
     selector_epochs: int = 1
+    selector_bn: str = "running"
     routing_guard: bool = True
     holdout_site: str | None = None
 
@@ -97,6 +98,7 @@ class SimulationConfig:
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                    selector_lr=default_selector_lr(scheme, self.selector_lr),
                                    selector_size=self.selector_size, selector_epochs=self.selector_epochs,
+                                   selector_bn=self.selector_bn,
                                    selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device)
 
 

@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
     p.add_argument("--selector-epochs", type=int, default=1,
                    help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
+    p.add_argument("--selector-bn", choices=["running", "batch"], default="running",
+                   help="FedSM reference selector's BatchNorm during local training: running (federation) "
+                        "statistics, or each batch's as the reference's train mode (default running)")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
@@ -130,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
                 selector_lr=args.selector_lr, selector_size=args.selector_size,
                 selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
                 selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
-                selector_epochs=args.selector_epochs,
+                selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                 routing_guard=args.routing_guard,
                 holdout_site=args.holdout_site,
                 device=args.device, data_dir=str(args.data) if args.data else None)

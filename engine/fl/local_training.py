@@ -71,6 +71,10 @@ class LocalTrainingConfig:
     selector_epochs
         Reference scheme: passes over the site's images per round, one Adam step after each
         (the reference's ``fedsm_select_epochs``, default 1: one step per round).
+    selector_bn
+        Reference scheme: ``"running"`` (default) normalises the selector's BatchNorm layers with
+        their running (federation-averaged) statistics during local training; ``"batch"`` with
+        each batch's own statistics, as the reference's ``train()`` mode does.
     prox_mu
         FedProx proximal coefficient (0 = off).
     device
@@ -85,10 +89,13 @@ class LocalTrainingConfig:
     selector_head: str = "gap"
     selector_optimizer: str = "adam"
     selector_epochs: int = 1
+    selector_bn: str = "running"
     prox_mu: float = 0.0
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.selector_bn not in ("running", "batch"):
+            raise ConfigError(f"selector_bn must be 'running' or 'batch', got {self.selector_bn!r}")
         if self.selector_epochs < 1:
             raise ConfigError(f"selector_epochs must be >= 1, got {self.selector_epochs}")
         if self.epochs < 1 or self.batch_size < 1:

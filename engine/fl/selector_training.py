@@ -161,7 +161,9 @@ def reference_selector_round(
     net = build_selector(task.in_channels, num_classes, cfg.selector_head)  # type: ignore[arg-type]
     net.load_state_dict(selector_weights)
     net.to(device.torch_device).train()
-    freeze_batchnorm_statistics(net)
+    if cfg.selector_bn == "running":
+        freeze_batchnorm_statistics(net)
+    # "batch": the reference's train mode, BatchNorm normalises with each single-site batch's statistics
     small = selector_inputs(images, cfg.selector_size)
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     state: Weights = dict(optimizer_state)
