@@ -59,9 +59,12 @@ class SimulationConfig:
 
     def __post_init__(self) -> None:
         get_task(self.task)
-        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        unknown = [m for m in self.methods if m not in ALL_METHODS and m not in EXCHANGE_METHODS]
         if unknown:
-            raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+            raise ConfigError(f"unknown method(s) {unknown}; choose from "
+                              f"{', '.join([*ALL_METHODS, *EXCHANGE_METHODS])}")
         if not self.methods:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
@@ -269,9 +272,28 @@ class Simulation:
         per_site, client_avg, pooled = self._evaluate(predict)
         report_extra = getattr(method, "report_extra", None)
         extra = report_extra(state, runtimes) if report_extra is not None else {}
+        extra["local_ood"] = self.cross_site_dice(predict)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra)
+
+    def cross_site_dice(self, predict: Callable[[int, np.ndarray], np.ndarray]) -> dict[str, dict[str, float]]:
+        """Per site ``k``: mean Dice on its own test set (``local``) and the mean over the other sites' (``ood``).
+
+        ``predict(k, images)`` segments as site ``k`` would (its own client net or model), so
+        ``ood`` says how site ``k``'s model does on data from elsewhere (BlackFed's Tables 2-3).
+        """
+        from engine.fl.evaluation import dice_per_case
+
+        out: dict[str, dict[str, float]] = {}
+        for k, site in enumerate(self.sites):
+            scores = []
+            for other in self.sites:
+                test = other.test
+                scores.append(float(dice_per_case(predict(k, test.images), test.masks, test.case_ids).mean()))
+            others = [s for j, s in enumerate(scores) if j != k]
+            out[site.name] = {"local": scores[k], "ood": float(np.mean(others)) if others else float("nan")}
+        return out
 
     def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
         """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""
@@ -386,7 +408,11 @@ class Simulation:
         self.load_sites()
         results: dict[str, MethodResult] = {}
         bundles: dict[str, Any] = {}
-        for name in [m for m in ALL_METHODS if m in self.cfg.methods]:
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        order = [m for m in ALL_METHODS if m in self.cfg.methods]
+        order += [m for m in self.cfg.methods if m in EXCHANGE_METHODS and m not in order]
+        for name in order:
             log.info("method %s: %d rounds over %d sites", name, self.cfg.rounds, len(self.sites))
             if self.progress:
                 self.progress({"event": "method_start", "method": name})
@@ -404,6 +430,7 @@ class Simulation:
                 path = self.out_dir / file
                 digest = save_bundle(path, bundles[name])
                 supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+        supermodel |= _save_exchange_bundles(self.out_dir, bundles)
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -418,6 +445,19 @@ class Simulation:
         }
         write_reports(self.out_dir, report)
         return report
+
+
+def _save_exchange_bundles(out_dir: Path, bundles: dict[str, Any]) -> dict[str, Any]:
+    """Save the split-network bundles of dialogue methods (BlackFed) as ``<method>.safetensors``."""
+    from engine.bundle.split import SplitBundle, save_split_bundle
+
+    saved: dict[str, Any] = {}
+    for name, bundle in bundles.items():
+        if isinstance(bundle, SplitBundle):
+            path = out_dir / f"{name}.safetensors"
+            digest = save_split_bundle(path, bundle)
+            saved[name] = {"path": path.name, "sha256": digest, "bytes": path.stat().st_size}
+    return saved
 
 
 def _site_summary(site: Any) -> dict[str, Any]:

@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from engine.tasks import TaskSpec
 
 #: Dialogue method name -> ``"module:factory"``.
-EXCHANGE_METHODS: dict[str, str] = {}
+EXCHANGE_METHODS: dict[str, str] = {
+    "blackfed-v1": "engine.fl.blackfed:build_blackfed",
+    "blackfed-v2": "engine.fl.blackfed:build_blackfed",
+}
 
 
 def build_exchange_method(name: str, task: TaskSpec, site_names: list[str],
