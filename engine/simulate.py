@@ -56,6 +56,8 @@ class SimulationConfig:
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
+    #: Settings of dialogue methods, ``<family>_<name>`` (e.g. ``blackfed_client_epochs``).
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         get_task(self.task)
@@ -263,7 +265,9 @@ class Simulation:
         from engine.fl.registry import build_exchange_method
 
         start = time.perf_counter()
-        method = build_exchange_method(name, self.task, [s.name for s in self.sites], asdict(self.cfg))
+        settings = asdict(self.cfg)
+        settings |= settings.pop("options")
+        method = build_exchange_method(name, self.task, [s.name for s in self.sites], settings)
         runtimes = self._runtimes()
         self._attach_round_hook(method, runtimes)
         state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,

@@ -15,9 +15,10 @@ import importlib
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from engine import api
-from engine.errors import CancelledError, FedSMError
+from engine.errors import CancelledError, ConfigError, FedSMError
 
 log = logging.getLogger("engine.cli")
 
@@ -27,6 +28,22 @@ COMMAND_MODULES = ("engine.cli.data_commands", "engine.cli.federation_commands",
 
 def _methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip().lower() for m in text.split(",") if m.strip())
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["blackfed_client_epochs=4", ...]`` -> ``{"blackfed_client_epochs": 4}`` (numbers parsed as JSON)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. blackfed_client_epochs=4")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selector-lr", type=float, default=1e-5)
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", dest="options",
+                   help="a dialogue method's setting, e.g. blackfed_client_epochs=4 (repeatable)")
     p.add_argument("--prox-mu", type=float, default=0.01)
     p.add_argument("--extra-rounds", type=int, default=None, help="FedSM-extra selector rounds (default = rounds)")
     p.add_argument("--data", type=Path, default=None, help="data folder (default OUT/data; created if needed)")
@@ -115,7 +134,8 @@ def _run(args: argparse.Namespace) -> int:
                 gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                 selector_lr=args.selector_lr, selector_size=args.selector_size,
                 selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
-                device=args.device, data_dir=str(args.data) if args.data else None)
+                device=args.device, data_dir=str(args.data) if args.data else None,
+                options=parse_options(args.options))
         finally:
             progress.close()
         print((args.out / "report.md").read_text(encoding="utf-8"))

@@ -13,7 +13,7 @@ The compute device is not part of it: each site chooses its own in ``site.toml``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine.errors import ConfigError
@@ -42,6 +42,9 @@ class MethodSpec:
     selector_lr: float = 1e-5
     selector_size: int = 32
     selector_head: str = "gap"
+    #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
+    #: ``[training]`` they are written as top-level keys with that prefix.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
@@ -49,9 +52,11 @@ class MethodSpec:
         from engine.tasks import get_task
 
         get_task(self.task)
-        if self.method not in FEDERATION_METHODS:
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        if self.method not in FEDERATION_METHODS and self.method not in EXCHANGE_METHODS:
             raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
-                              f"{', '.join(FEDERATION_METHODS)}")
+                              f"{', '.join([*FEDERATION_METHODS, *EXCHANGE_METHODS])}")
         names = tuple(self.site_names)
         for name in names:
             check_site_name(name)
@@ -95,6 +100,11 @@ class MethodSpec:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MethodSpec:
         known = {f.name for f in fields(cls)}
+        family = str(raw.get("method", "")).split("-")[0] + "_"
+        options = {k: raw[k] for k in raw if k.startswith(family) and k not in known}
+        raw = {k: v for k, v in raw.items() if k not in options}
+        if options:
+            raw["options"] = {**dict(raw.get("options") or {}), **options}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown training setting(s) {unknown}; known: {sorted(known)}")
@@ -124,10 +134,14 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
     from engine.fl import methods as m
     from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
     from engine.tasks import get_task
 
     task = get_task(spec.task)
     names = list(spec.site_names)
+    if spec.method in EXCHANGE_METHODS:
+        settings = {k: v for k, v in asdict(spec).items() if k != "options"} | dict(spec.options) | {"device": device}
+        return build_exchange_method(spec.method, task, names, settings)
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=spec.selector_lr, selector_size=spec.selector_size,
                                    selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device)

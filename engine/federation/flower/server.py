@@ -117,6 +117,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
                   session: str, app_hash: str) -> dict[str, Any]:
     """Write the trained models and ``summary.json``; return the summary."""
     from engine.federation.checkpoint import save_weightset
+    from engine.fl.registry import EXCHANGE_METHODS
 
     spec = cfg.spec
     files: dict[str, str] = {}
@@ -136,6 +137,11 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
         files["supermodel"] = "supermodel.safetensors"
+    elif spec.method in EXCHANGE_METHODS:
+        # a dialogue method (BlackFed): the coordinator's own networks; sites keep theirs
+        save_weightset(cfg.work_dir / "server.safetensors", state,
+                       {"format": "fedsm-server-state", "method": spec.method, "session": session})
+        files["server"] = "server.safetensors"
     elif "global" in state:
         save_weightset(cfg.work_dir / "global.safetensors", {"global": state["global"]},
                        {"format": "fedsm-global-model", "method": spec.method, "session": session})
@@ -182,6 +188,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     )
     from engine.federation.flower.transfer import PromptHttpGrid
     from engine.federation.spec import build_method
+    from engine.fl.exchange import ExchangeMethod
 
     tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
@@ -234,8 +241,13 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         grid.set_run(run)
         settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,
                                  cfg.poll_interval, cfg.rejoin_wait)
-        runner = FederationRunner(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
-                                  app.hash, cancel=stop, address=cfg.address)
+        runner_class = FederationRunner
+        if isinstance(method, ExchangeMethod):
+            from engine.federation.flower.dialogue import DialogueRunner
+
+            runner_class = DialogueRunner
+        runner = runner_class(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
+                              app.hash, cancel=stop, address=cfg.address)
         result: dict[str, Any] = {}
         build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
         summary = write_results(cfg, method, result["state"], runner.history, session, app.hash)
