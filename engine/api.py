@@ -105,12 +105,33 @@ def validate_data(datalists: list[Path], convention: str | None = None, task: st
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
-          mask_format: str | None = None) -> dict[str, Any]:
-    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``."""
+          mask_format: str | None = None, site: str | None = None) -> dict[str, Any]:
+    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``.
+
+    ``site``: which site's client net a split-network (BlackFed) bundle uses (required there).
+    """
     from engine.inference.run import infer_path
 
     return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
-                      cancel=cancel, mask_format=mask_format)
+                      cancel=cancel, mask_format=mask_format, site=site)
+
+
+def bundle_sites(path: Path) -> dict[str, Any]:
+    """What the app shows when a bundle is opened: its kind, method and the sites one can choose.
+
+    ``{"kind": "split", "method": "blackfed-v2", "sites": [...], "server": "per-site"}`` for a
+    BlackFed bundle (the user must pick a site's client net), ``{"kind": "supermodel", ...}``
+    otherwise (the selector routes). Reads the header only.
+    """
+    from engine.bundle import read_metadata
+    from engine.bundle.split import is_split_bundle, read_split_metadata
+
+    if is_split_bundle(Path(path)):
+        meta = read_split_metadata(Path(path))
+        return {"kind": "split", "method": meta.method, "sites": list(meta.site_names), "server": meta.server,
+                "task": meta.task}
+    sm = read_metadata(Path(path))
+    return {"kind": "supermodel", "method": sm.method, "sites": list(sm.site_names), "task": sm.task}
 
 
 def read_bundle_metadata(path: Path) -> dict[str, Any]:

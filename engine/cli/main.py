@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--format", dest="mask_format", choices=["nifti", "png", "dicom-seg"], default=None,
                    help="mask format (default: nifti for volumes, png for photos; dicom-seg needs DICOM input)")
+    p.add_argument("--site", default=None,
+                   help="BlackFed (split-network) bundles: whose client net to use; super models: use that "
+                        "site's personalized model instead of routing")
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -145,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "infer":
         setup_logging(args.verbose)
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
-                            mask_format=args.mask_format)
+                            mask_format=args.mask_format, site=args.site)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "
