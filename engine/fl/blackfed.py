@@ -135,6 +135,7 @@ class BlackFed(ExchangeMethod):
     REQUEST_CONTENTS: ClassVar[dict[str, str]] = {
         "losses": "loss values of the site's previous probe (one scalar per perturbed forward pass; no gradient)",
     }
+    SHARES_ACTIVATIONS: ClassVar[bool] = True
     REPLY_CONTENTS: ClassVar[dict[str, str]] = {
         "activations": "client-net activations f_k(x) of one training batch (per perturbation in a client step)",
         "masks": "the batch's expert masks (uint8), for the coordinator's loss",

@@ -264,6 +264,10 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     method, spec = worker.method(str(info["spec"]))
     if not isinstance(method, ExchangeMethod):
         raise ConfigError(f"method {spec.method!r} is not a dialogue method; the coordinator sent an exchange")
+    if method.SHARES_ACTIVATIONS and not getattr(worker.cfg, "share_activations", False):
+        raise ConfigError(f"{spec.method} sends activations of this site's images and their masks to the "
+                          "coordinator, and this site has not agreed to that; read docs/federation.md (split "
+                          "learning) and set [site] share_activations = true to take part")
     method.check_request(request)  # refuse anything the method does not declare before using it
     session = str(info["session"])
     runtimes: dict[tuple[str, str], SiteRuntime] = worker.__dict__.setdefault("_dialogue_runtimes", {})
