@@ -193,34 +193,42 @@ class BlackFed(ExchangeMethod):
         reply = answer.get(site)
         return reply if isinstance(reply, Reply) else None
 
+    #: Request action of a client step, and the name of the tensor the coordinator answers it with.
+    CLIENT_ACTION: ClassVar[str] = "client_probe"
+    FEEDBACK: ClassVar[str] = "losses"
+
     def _turn(self, g: torch.nn.Module, site: str, rnd: int) -> Any:
         """One site's turn (client phase, then server phase); returns whether it completed."""
         cfg = self.config
-        first = "client_probe" if cfg.client_epochs else "server_batch"
+        first = self.CLIENT_ACTION if cfg.client_epochs else "server_batch"
         reply = yield from self._ask(site, Request(first, {}, {"round": rnd, "step": 0}))
         if reply is None:
             return False
         n = reply.num_samples
         client_steps, server_steps = self.steps(n, cfg.client_epochs), self.steps(n, cfg.server_epochs)
-        losses: torch.Tensor | None = None
+        feedback: torch.Tensor | None = None
         if cfg.client_epochs:
-            losses = self.probe_losses(g, reply)
+            feedback = self.client_feedback(g, reply)
             for step in range(1, client_steps):
-                reply = yield from self._ask(site, Request("client_probe", {"losses": losses},
+                reply = yield from self._ask(site, Request(self.CLIENT_ACTION, {self.FEEDBACK: feedback},
                                                            {"round": rnd, "step": step}))
                 if reply is None:
                     return False
-                losses = self.probe_losses(g, reply)
+                feedback = self.client_feedback(g, reply)
         opt = torch.optim.AdamW(g.parameters(), lr=cfg.server_lr)
         for step in range(server_steps):
             if step or cfg.client_epochs:
-                carried = {"losses": losses} if losses is not None else {}
-                losses = None
+                carried = {self.FEEDBACK: feedback} if feedback is not None else {}
+                feedback = None
                 reply = yield from self._ask(site, Request("server_batch", carried, {"round": rnd, "step": step}))
                 if reply is None:
                     return False
             self.server_step(g, opt, reply)
         return True
+
+    def client_feedback(self, g: torch.nn.Module, reply: Reply) -> torch.Tensor:
+        """What the coordinator answers a client step with: BlackFed, the probe's loss values."""
+        return self.probe_losses(g, reply)
 
     def probe_losses(self, g: torch.nn.Module, reply: Reply) -> torch.Tensor:
         """The loss of ``g`` on each of the ``2P`` perturbed activation batches of a client probe."""
@@ -241,6 +249,10 @@ class BlackFed(ExchangeMethod):
         opt.step()
         return float(loss.detach())
 
+    def copies_per_image(self, action: str) -> int:
+        """Activation maps per image in a reply to ``action`` (SPSA: ``2P`` probe points)."""
+        return 2 * self.config.perturbations if action == self.CLIENT_ACTION else 1
+
     def validate_reply(self, request: Request, site: str, reply: Reply) -> None:
         super().validate_reply(request, site, reply)
         if request.action == "client_update":
@@ -256,7 +268,7 @@ class BlackFed(ExchangeMethod):
             raise WeightsError(f"{site}: masks must be uint8 (B, {self.task.out_channels}, H, W), "
                                f"got {masks.dtype} {tuple(masks.shape)}")
         b = masks.shape[0]
-        copies = 2 * self.config.perturbations if request.action == "client_probe" else 1
+        copies = self.copies_per_image(request.action)
         expected = (copies * b, self.config.channels, *masks.shape[2:])
         if acts.dtype != torch.float32 or tuple(acts.shape) != expected:
             raise WeightsError(f"{site}: activations must be float32 {expected}, got {acts.dtype} {tuple(acts.shape)}")
@@ -275,40 +287,54 @@ class BlackFed(ExchangeMethod):
         if n < 1:
             raise ConfigError(f"site {site.name} has no training images")
         net = self.client_net(site.state.get(CLIENT_KEY) or self._initial_client(site.name))
-        starts_turn = request.action == "client_probe" and step == 0
-        turn: SpsaGc | None = site.state.get(TURN_KEY)
+        starts_turn = request.action == self.CLIENT_ACTION and step == 0
         if starts_turn:
-            turn = SpsaGc(flat_parameters(net), self.config.spsa())
-            site.state[TURN_KEY] = turn
-        losses = request.tensors.get("losses")
-        if losses is not None:
+            site.state[TURN_KEY] = self.start_turn(net)
+        feedback = request.tensors.get(self.FEEDBACK)
+        turn = site.state.get(TURN_KEY)
+        if feedback is not None:
             if turn is None or not turn.pending:
-                raise ConfigError(f"{site.name}: loss values arrived without a pending SPSA step")
-            turn.update(losses)
-            load_flat(net, turn.theta)
+                raise ConfigError(f"{site.name}: {self.FEEDBACK} arrived without a pending client step")
+            self.apply_feedback(turn, net, feedback)
             site.state[CLIENT_KEY] = weights_of(net)
         elif turn is not None and turn.pending and not starts_turn:
-            raise ConfigError(f"{site.name}: request {request.action!r} came without the pending step's losses")
+            raise ConfigError(f"{site.name}: request {request.action!r} came without the pending step's "
+                              f"{self.FEEDBACK}")
         if request.action == "client_update":
             return Reply({}, {}, n)
-        if request.action == "client_probe":
-            assert turn is not None
+        if request.action == self.CLIENT_ACTION:
             idx = self._batch(site, rnd, "client", step)
-            x = torch.from_numpy(site.train.images[idx])
-            gen = torch.Generator().manual_seed(self._seed(rnd, site.name, "spsa", step) % (2**63))
-            with torch.no_grad():
-                acts = []
-                for point in turn.probe_points(gen):
-                    load_flat(net, point)
-                    acts.append(net(x))
-            return Reply({"activations": torch.cat(acts), "masks": self._masks(site, idx)}, {}, n)
+            acts = self.client_activations(turn, net, torch.from_numpy(site.train.images[idx]),
+                                           self._seed(rnd, site.name, "spsa", step))
+            return Reply({"activations": acts, "masks": self._masks(site, idx)}, {}, n)
         if request.action == "server_batch":
             site.state.pop(TURN_KEY, None)
             idx = self._batch(site, rnd, "server", step)
             with torch.no_grad():
                 acts = net(torch.from_numpy(site.train.images[idx]))
             return Reply({"activations": acts.contiguous(), "masks": self._masks(site, idx)}, {}, n)
-        raise ConfigError(f"unknown BlackFed request {request.action!r}")
+        raise ConfigError(f"unknown {self.name} request {request.action!r}")
+
+    # the client step at the site (SPSA-GC here; first order in the white-box baseline)
+    def start_turn(self, net: torch.nn.Module) -> Any:
+        """Per-turn optimiser state of the client net (SPSA-GC's momentum and pending perturbations)."""
+        return SpsaGc(flat_parameters(net), self.config.spsa())
+
+    def apply_feedback(self, turn: Any, net: torch.nn.Module, feedback: torch.Tensor) -> None:
+        """Finish the pending client step with the coordinator's answer (updates ``net`` in place)."""
+        turn.update(feedback)
+        load_flat(net, turn.theta)
+
+    def client_activations(self, turn: Any, net: torch.nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
+        """Activations a client step uploads: ``f(x)`` at each of SPSA's ``2P`` probe points."""
+        gen = torch.Generator().manual_seed(seed % (2**63))
+        acts = []
+        with torch.no_grad():
+            for point in turn.probe_points(gen):
+                load_flat(net, point)
+                acts.append(net(x))
+        load_flat(net, turn.theta)
+        return torch.cat(acts)
 
     def _initial_client(self, site: str) -> dict[str, torch.Tensor]:
         torch.manual_seed(self._seed("init", "client", site))

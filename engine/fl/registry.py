@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 EXCHANGE_METHODS: dict[str, str] = {
     "blackfed-v1": "engine.fl.blackfed:build_blackfed",
     "blackfed-v2": "engine.fl.blackfed:build_blackfed",
+    "split-whitebox": "engine.fl.split_whitebox:build_split_whitebox",
 }
 
 

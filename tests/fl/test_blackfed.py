@@ -192,3 +192,31 @@ def test_split_bundle_round_trips(tmp_path):
     for site in ("site1", "site2"):
         assert all(torch.equal(loaded.clients[site][k], v) for k, v in bundle.clients[site].items())
         assert all(torch.equal(loaded.server_for(site)[k], v) for k, v in state[f"server/{site}"].items())
+
+
+def test_white_box_split_sends_activation_gradients_and_descends():
+    from engine.fl.split_whitebox import SplitWhiteBox
+
+    sites = runtimes()
+    cfg = BlackFedConfig(client_epochs=2, server_epochs=1, batch_size=4, image_size=SIZE)
+    method = SplitWhiteBox(FUNDUS, [s.name for s in sites], seed=3, config=cfg)
+    seen = []
+    state, _ = run_exchange_rounds(method, sites, 1, recorder=seen.append)
+    grads = [r for r in seen if "activation_grad" in r.request_tensors]
+    assert grads and all(r.request_tensors["activation_grad"][1] == cfg.channels for r in grads)
+    # the first-order step moves the client net along -dL/dtheta: the loss of the next probe of the
+    # same batch is lower than before the step
+    site = runtimes(1)[0]
+    one = SplitWhiteBox(FUNDUS, ["site1"], seed=3, config=cfg)
+    g = one.server_net(state["server"])
+    first = one.answer(Request("client_grad", {}, {"round": 1, "step": 0}), site)
+    grad = one.client_feedback(g, first)
+    with torch.no_grad():
+        before = float(split_loss(g(first.tensors["activations"]), first.tensors["masks"].float()))
+    one.answer(Request("server_batch", {"activation_grad": grad}, {"round": 1, "step": 0}), site)
+    after_net = one.client_net(site.state[CLIENT_KEY])
+    idx = one._batch(site, 1, "client", 0)
+    with torch.no_grad():
+        acts = after_net(torch.from_numpy(site.train.images[idx]))
+        after = float(split_loss(g(acts), first.tensors["masks"].float()))
+    assert after < before
