@@ -42,6 +42,9 @@ class MethodSpec:
     selector_lr: float = 1e-5
     selector_size: int = 32
     selector_head: str = "gap"
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.01
+    loss: str = "dice"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
     #: ``[training]`` they are written as top-level keys with that prefix.
     options: dict[str, Any] = field(default_factory=dict)
@@ -74,7 +77,9 @@ class MethodSpec:
         if self.lam is None:
             object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
         if self.extra_rounds is None:
-            object.__setattr__(self, "extra_rounds", self.rounds)
+            from engine.simulate import extra_rounds_default
+
+            object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
         if self.method in ("fedsm", "fedsm-extra"):
             from engine.fl.aggregation import check_lam
 
@@ -144,7 +149,8 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
         return build_exchange_method(spec.method, task, names, settings)
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=spec.selector_lr, selector_size=spec.selector_size,
-                                   selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device)
+                                   selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
+                                   lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
     if spec.method == "fedsm":
