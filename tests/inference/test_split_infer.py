@@ -32,7 +32,7 @@ def test_infer_segments_a_photo_with_the_chosen_sites_nets(split_bundle, tmp_pat
     photo = (np.random.default_rng(0).random((32, 32, 3)) * 255).astype(np.uint8)
     Image.fromarray(photo).save(tmp_path / "eye.png")
     result = api.infer(path, tmp_path / "eye.png", tmp_path / "out", device="cpu", site="site2")
-    assert result["routing"] == "site" and result["site"] == "site2"
+    assert result["routing"] == "site" and result["forced_model"] == "site2"
     assert result["inputs"][0]["models_used"] == {"site2": 1}
     written = np.asarray(Image.open(tmp_path / "out" / "eye_mask.png"))
     assert written.shape == (32, 32)
