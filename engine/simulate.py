@@ -259,8 +259,11 @@ class Simulation:
                 lambda k, x: segment_with(self.task, weights, x, self.cfg.device))
             rounds, _ = self._round_summaries(records)
             zero = {"received_mean": 0.0, "sent_mean": 0.0, "received_total": 0.0, "sent_total": 0.0}
+            local_ood = self.cross_site_dice(lambda k, x: segment_with(self.task, weights, x, self.cfg.device),
+                                             shared=True)
             return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds,
-                                {s.name: dict(zero) for s in self.sites}, **self._selection(keeper, method))
+                                {s.name: dict(zero) for s in self.sites}, {"local_ood": local_ood},
+                                **self._selection(keeper, method))
 
         method = self._build_method(name)
         runtimes = self._runtimes()
@@ -273,12 +276,16 @@ class Simulation:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
             extra["cross_site"] = self._cross_site(models)
+            extra["local_ood"] = self.cross_site_dice(
+                lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
         elif name in ("fedsm", "fedsm-extra") or isinstance(method, FedSM):
             per_site, client_avg, pooled, extra = self._evaluate_supermodel(method, state, records)
         else:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
             extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
+            extra["local_ood"] = self.cross_site_dice(
+                lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device), shared=True)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra, **self._selection(keeper, method))
@@ -344,23 +351,32 @@ class Simulation:
         extra = report_extra(state, runtimes) if report_extra is not None else {}
         extra["local_ood"] = self.cross_site_dice(predict)
         rounds, bytes_per_round = self._round_summaries(records)
+        # no best-round selection for dialogue methods: the last round is evaluated
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
-                            extra)
+                            extra, best_round=method.total_rounds)
 
-    def cross_site_dice(self, predict: Callable[[int, np.ndarray], np.ndarray]) -> dict[str, dict[str, float]]:
+    def cross_site_dice(self, predict: Callable[[int, np.ndarray], np.ndarray],
+                        shared: bool = False) -> dict[str, dict[str, float]]:
         """Per site ``k``: mean Dice on its own test set (``local``) and the mean over the other sites' (``ood``).
 
         ``predict(k, images)`` segments as site ``k`` would (its own client net or model), so
         ``ood`` says how site ``k``'s model does on data from elsewhere (BlackFed's Tables 2-3).
+        ``shared``: every site uses the same model (FedAvg's global), so each test set is segmented once.
         """
         from engine.fl.evaluation import dice_per_case
 
+        cache: dict[int, float] = {}
+
+        def score(k: int, j: int) -> float:
+            if shared and j in cache:
+                return cache[j]
+            test = self.sites[j].test
+            cache[j] = float(dice_per_case(predict(k, test.images), test.masks, test.case_ids).mean())
+            return cache[j]
+
         out: dict[str, dict[str, float]] = {}
         for k, site in enumerate(self.sites):
-            scores = []
-            for other in self.sites:
-                test = other.test
-                scores.append(float(dice_per_case(predict(k, test.images), test.masks, test.case_ids).mean()))
+            scores = [score(k, j) for j in range(len(self.sites))]
             others = [s for j, s in enumerate(scores) if j != k]
             out[site.name] = {"local": scores[k], "ood": float(np.mean(others)) if others else float("nan")}
         return out
