@@ -159,11 +159,19 @@ def bundle_sites(path: Path) -> dict[str, Any]:
 
 
 def read_bundle_metadata(path: Path) -> dict[str, Any]:
-    """A bundle's metadata as a plain dict (sites, rounds, lambda, gamma, validation Dice, ...)."""
+    """A bundle's metadata as a plain dict (sites, rounds, lambda, gamma, validation Dice, ...).
+
+    A split-network (BlackFed) bundle gives its own metadata with ``routing = "site"``: no
+    selector routes, the user chooses whose client net segments.
+    """
     import json
 
     from engine.bundle import load_bundle
+    from engine.bundle.split import is_split_bundle, load_split_bundle
 
+    if is_split_bundle(Path(path)):
+        meta = json.loads(load_split_bundle(Path(path)).metadata.to_json())
+        return {**meta, "routing": "site"}
     return json.loads(load_bundle(Path(path)).metadata.to_json())
 
 

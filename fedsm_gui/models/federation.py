@@ -35,6 +35,9 @@ class SiteSetup:
     datalist: str = ""
     app_hash: str = ""
     config_path: str = ""
+    #: The operator confirmed BlackFed's threat model: split-learning runs may send activations of
+    #: this site's images and their masks to the coordinator (``[site] share_activations``).
+    share_activations: bool = False
 
 
 @dataclass
