@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
-                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra")
+                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra; "
+                        "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lam", type=float, default=None,
