@@ -91,3 +91,15 @@ def test_the_app_segments_a_photo_with_the_chosen_sites_client_net(fedsm_app, qt
     qtbot.waitUntil(lambda: app.segmentation_state.status == "done", timeout=60_000)
     assert app.segmentation_state.routing_at(0).model == "site2"
     assert app.overlays.layers[MODEL_LAYER].title == "model (client net of site2)"
+
+
+def test_the_ledger_says_what_a_blackfed_exchange_sent_and_received():
+    from fedsm_gui.models.federation import describe_contents
+
+    sent = {"tensors": {"activations": "client-net activations f_k(x) of one training batch",
+                        "masks": "the batch's expert masks (uint8)"}, "num_examples": 6, "metrics": []}
+    text = describe_contents("sent", sent)
+    assert "activations (client-net activations" in text and "masks (the batch's expert masks" in text
+    assert describe_contents("received", {"tensors": {"losses": "loss values"}}) == "losses (loss values)"
+    assert describe_contents("received", {"tensors": {}}) == "nothing"
+    assert describe_contents("received", {"global": 63}) == "global: 63 tensors"
