@@ -15,9 +15,10 @@ import importlib
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from engine import api
-from engine.errors import CancelledError, FedSMError
+from engine.errors import CancelledError, ConfigError, FedSMError
 
 log = logging.getLogger("engine.cli")
 
@@ -30,6 +31,22 @@ COMMAND_MODULES = (
 
 def _methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip().lower() for m in text.split(",") if m.strip())
+
+
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["blackfed_client_epochs=4", ...]`` -> ``{"blackfed_client_epochs": 4}`` (numbers parsed as JSON)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. blackfed_client_epochs=4")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
-                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra")
+                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra; "
+                        "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lam", type=float, default=None,
@@ -78,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", dest="options",
+                   help="a dialogue method's setting, e.g. blackfed_client_epochs=4 (repeatable)")
     p.add_argument("--prox-mu", type=float, default=0.01)
     p.add_argument("--extra-rounds", type=int, default=None,
                    help="FedSM-extra selector rounds (default: rounds/2 rounded up, as the paper's 100 + 50)")
@@ -107,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-choice", default="routed", metavar="routed|global|SITE",
                    help="routed (default: the selector picks per image), global, or a site's name (its "
                         "personalized model; also personal:SITE)")
+    p.add_argument("--site", default=None,
+                   help="BlackFed (split-network) bundles: whose client net to use; super models: use that "
+                        "site's personalized model instead of routing")
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -173,7 +196,8 @@ def _run(args: argparse.Namespace) -> int:
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                     routing_guard=args.routing_guard, holdout_site=args.holdout_site,
-                    device=args.device, data_dir=data_dir, datalists=datalists)
+                    device=args.device, data_dir=data_dir, datalists=datalists,
+                    options=parse_options(args.options))
         finally:
             progress.close()
         print((args.out / "report.md").read_text(encoding="utf-8"))
@@ -185,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
         choice = args.model_choice.strip()
         force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
-                            mask_format=args.mask_format, force_model=force)
+                            mask_format=args.mask_format, force_model=args.site or force)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "
