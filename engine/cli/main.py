@@ -16,6 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
+import engine
 from engine import api
 from engine.errors import CancelledError, FedSMError
 
@@ -31,6 +32,7 @@ def _methods(text: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsm", description="Federated super-model segmentation (FedSM).")
+    parser.add_argument("--version", action="version", version=f"fedsm {engine.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 

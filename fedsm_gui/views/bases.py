@@ -128,8 +128,12 @@ class SegmentationView:
         """Values of the current image/slice (``None``: no result yet)."""
         raise NotImplementedError
 
-    def set_cup_to_disc(self, model_value: float | None, reference_value: float | None) -> None:
-        """Vertical cup-to-disc ratio from the model's mask (and the reference mask), fundus only."""
+    def set_cup_to_disc(self, model_value: Any, reference_value: Any) -> None:
+        """Vertical cup-to-disc ratio of the model's and the reference mask (fundus only).
+
+        Each is ``None`` or an ``engine.api.cup_to_disc_ratio`` result (``value``, ``trusted``,
+        ``reason``).
+        """
         raise NotImplementedError
 
     def set_export_name(self, name: str) -> None:
