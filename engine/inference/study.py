@@ -30,10 +30,10 @@ from engine.data.preprocess import (
 )
 from engine.errors import ConfigError, DataError
 from engine.inference.device import resolve_device
+from engine.inference.postprocess import clean_fundus_masks
 from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
 from engine.inference.routing import check_gamma
 from engine.io.provenance import ImageRecord, Provenance, utc_now
-from engine.inference.postprocess import clean_fundus_masks
 from engine.io.study import LabelMap, Study
 from engine.tasks import TaskSpec, get_task
 
