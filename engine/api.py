@@ -91,9 +91,17 @@ def open_study(path: Path, series_uid: str | None = None, progress: ProgressFn |
 
 
 def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelMap:
-    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG)."""
+    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG).
+
+    ``convention="auto"`` takes the convention the file name identifies (a Drishti-GS soft map
+    opens as one binarised disc/cup map with its partner file), else the values as stored.
+    """
     from engine.io.masks import open_mask as open_labels
 
+    if convention == "auto":
+        from engine.data.label_conventions import convention_from_name
+
+        convention = convention_from_name(path)
     return open_labels(Path(path), study, convention)
 
 

@@ -40,6 +40,7 @@ class ViewerView:
     fit_requested = Intent()
     photo_adjust_requested = Intent("brightness: float", "contrast: float")
     green_toggled = Intent("on: bool")
+    hover_requested = Intent("view: str", "row: float (-1: off the slice)", "col: float")
 
     def set_views(self, views: Sequence[str], message: str = "") -> None:
         """Show these views (``()``: the empty state with ``message``)."""
@@ -61,6 +62,10 @@ class ViewerView:
 
     def set_photo_controls(self, brightness: float, contrast: float, green_only: bool) -> None:
         """Current photo adjustment."""
+        raise NotImplementedError
+
+    def set_readout(self, text: str) -> None:
+        """What lies under the pointer: position, value, label (``""``: nothing)."""
         raise NotImplementedError
 
 

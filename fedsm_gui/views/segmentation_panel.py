@@ -144,6 +144,8 @@ class SegmentationPanel(QGroupBox):
         layout.addStretch(1)
         self._gamma_value: float | None = None
         self._export_name = "mask.nii.gz"
+        self._metadata: dict[str, Any] | None = None
+        self._bundle_path: str | None = None
 
     # --- dialogs -------------------------------------------------------------------------
     def browse_bundle(self) -> None:
@@ -165,7 +167,20 @@ class SegmentationPanel(QGroupBox):
         self.force_model_requested.emit(self.model_combo.itemData(index) or "")
 
     # --- SegmentationView ----------------------------------------------------------------
+    def provenance_html(self) -> str:
+        """Where the loaded super model comes from (for Help ▸ About); ``""`` when none is loaded."""
+        meta, path = self._metadata, self._bundle_path
+        if meta is None:
+            return ""
+        extra = meta.get("extra") or {}
+        seed = f", seed {extra['seed']}" if "seed" in extra else ""
+        return (f"{Path(path).name if path else '?'} — {meta.get('method', '?')} on {meta.get('task', '?')}, "
+                f"{len(meta.get('site_names', []))} sites ({', '.join(meta.get('site_names', []))}), "
+                f"{meta.get('rounds', '?')} rounds{seed}; written {meta.get('created', '?')} by FedSM engine "
+                f"{meta.get('engine_version', '?')}<br><small>{path or ''}</small>")
+
     def set_metadata(self, path: str | None, metadata: dict[str, Any] | None, message: str = "") -> None:
+        self._metadata, self._bundle_path = metadata, path
         if metadata is None:
             self.bundle_label.setText("")
             self.metadata_label.setText(f"<i>{message}</i>".replace("\n", "<br>"))

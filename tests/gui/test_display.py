@@ -118,6 +118,7 @@ def test_overlay_fill_outline_and_hidden_labels():
     assert outline[1, 3, 3] > 0 and outline[1, 3, :3].tolist() == [255, 0, 0]
 
 
+@pytest.mark.parametrize("budget", [10**9, 0, 2 * 7 * 5 * 4 * 4])
 def test_slicer_serves_the_same_slices_contiguously(budget):
     from fedsm_gui.models.display import Slicer
 
