@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import engine
 from engine import api
 from engine.errors import CancelledError, ConfigError, FedSMError
 
@@ -51,6 +52,7 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsm", description="Federated super-model segmentation (FedSM).")
+    parser.add_argument("--version", action="version", version=f"fedsm {engine.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
