@@ -62,6 +62,7 @@ class SimulationConfig:
     selector_bn: str = "running"
     routing_guard: bool = True
     holdout_site: str | None = None
+    slices: int | None = None
 
     def __post_init__(self) -> None:
         get_task(self.task)
@@ -107,7 +108,10 @@ def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | No
     from engine.data.synth import existing_federation, generate_federation
 
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
-    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
+    from engine.data.synth import DEFAULT_SLICES
+
+    slices = cfg.slices or DEFAULT_SLICES
+    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed, slices=slices)
     if found is not None:
         log.info("reusing synthetic data in %s", data_dir)
         return found
@@ -115,7 +119,7 @@ def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | No
     if progress:
         progress({"event": "status", "message": f"generating synthetic {cfg.task} data in {data_dir}"})
     return generate_federation(cfg.task, cfg.sites, data_dir, image_size=cfg.image_size, seed=cfg.seed,
-                               progress=(lambda msg: log.info(msg)))
+                               progress=(lambda msg: log.info(msg)), slices=slices)
 
 
 def _label_means(dice: np.ndarray, labels: tuple[str, ...]) -> dict[str, float]:

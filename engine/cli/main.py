@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
+    p.add_argument("--slices", type=int, default=None,
+                   help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
                    help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
@@ -135,7 +137,7 @@ def _run(args: argparse.Namespace) -> int:
                 selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                 selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                 routing_guard=args.routing_guard,
-                holdout_site=args.holdout_site,
+                holdout_site=args.holdout_site, slices=args.slices,
                 device=args.device, data_dir=str(args.data) if args.data else None)
         finally:
             progress.close()
