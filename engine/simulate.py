@@ -59,7 +59,7 @@ class SimulationConfig:
     selector_calibration: str = "none"
     selector_warmup: int = 0
     selector_epochs: int = 1
-    selector_bn: str = "running"
+    selector_bn: str = "batch"
     routing_guard: bool = True
     holdout_site: str | None = None
     slices: int | None = None

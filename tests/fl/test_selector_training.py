@@ -157,3 +157,18 @@ def test_ece_and_confidence_summary():
     assert sum(summary["histogram"]["counts"]) == 4
     assert default_selector_lr("none") == 1e-3 and default_selector_lr("lda") == 1e-5
     assert default_selector_lr("lda", 0.01) == 0.01
+
+
+def test_batch_statistics_mode_survives_a_lone_last_image(tiny_training):
+    from dataclasses import replace
+
+    cfg = replace(tiny_training, selector_bn="batch")
+    method = FedSM(FUNDUS, ["a", "b"], cfg, lam=0.5)
+    state = method.initial_state()
+    for n in (5, 1):  # batch 4: batches of 4 and 1 -> one batch of 5; a single image: running statistics
+        data = random_split(n, seed=2)
+        weights, optim, _ = reference_selector_round(
+            FUNDUS, state["selector"], state["selector_optim"], np.zeros(n), 2, data.images, cfg, 0,
+            RoundContext("fedsm", 1, "a"))
+        assert float(optim["step"][0]) == 1.0
+        assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.dtype.is_floating_point)
