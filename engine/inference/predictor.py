@@ -148,23 +148,26 @@ class SuperModelPredictor:
         self.global_net = build_segmentation_net(meta.in_channels, len(meta.label_names))
         _fit_weights(self.global_net, bundle.global_weights, f"global model ({layout})", where)
         self.personal_nets: list[nn.Module] = []
-        for site in meta.site_names:
+        for site in meta.personal_sites:
             net = build_segmentation_net(meta.in_channels, len(meta.label_names))
             what = f"personalized model of site {site!r} ({layout})"
             _fit_weights(net, bundle.personal_weights[site], what, where)
             self.personal_nets.append(net)
-        self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
-        _fit_weights(
-            self.selector,
-            bundle.selector_weights,
-            f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
-            where,
-        )
+        # A single-model bundle (FedAvg, FedProx, Scaffold) has no selector: every image goes to the global model.
+        self.selector: nn.Module | None = None
+        if not meta.single_model:
+            self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
+            _fit_weights(
+                self.selector,
+                bundle.selector_weights,
+                f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
+                where,
+            )
         for net in self._models():
             net.to(self.device).eval()
 
     def _models(self) -> list[nn.Module]:
-        return [self.global_net, *self.personal_nets, self.selector]
+        return [self.global_net, *self.personal_nets, *([self.selector] if self.selector is not None else [])]
 
     @property
     def num_models(self) -> int:
@@ -267,10 +270,13 @@ class SuperModelPredictor:
             if cancel is not None and cancel():
                 raise CancelledError(f"inference cancelled during {stage} after {done} of {total} steps")
 
-        probs = np.zeros((n, meta.selector_classes), dtype=np.float32)
+        # single model: one "choice", the global model, with probability 1 (there is nothing to choose)
+        probs = np.zeros((n, max(meta.selector_classes, 1)), dtype=np.float32)
+        if self.selector is None:
+            probs[:] = 1.0
         masks = np.zeros((n, len(meta.label_names), height, width), dtype=np.uint8)
         with torch.inference_mode(), self._autocast():
-            for sl in _batches(n, batch_size):
+            for sl in _batches(n, batch_size) if self.selector is not None else ():
                 check_cancel("model selection")
                 x = self._to_device(resize_images(arr[sl], meta.selector_size))
                 # Softmax in float32: under autocast the logits may be fp16.
@@ -279,7 +285,10 @@ class SuperModelPredictor:
 
             guard_on = meta.routing_guard if routing_guard is None else bool(routing_guard)
             decisions = None
-            if force_model is not None:
+            if self.selector is None:  # a single-model bundle
+                chosen = np.zeros(n, dtype=np.int64)
+                step(n)
+            elif force_model is not None:
                 chosen = np.full(n, int(force_model), dtype=np.int64)
             elif meta.routing == "argmax":
                 chosen = route_fedsm_extra(probs)
