@@ -172,3 +172,14 @@ def test_batch_statistics_mode_survives_a_lone_last_image(tiny_training):
             RoundContext("fedsm", 1, "a"))
         assert float(optim["step"][0]) == 1.0
         assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.dtype.is_floating_point)
+
+
+def test_best_round_keeper_skips_warmup_rounds_and_substitutes_after_training(tiny_training):
+    from engine.fl.model_selection import is_training_round, last_training_round
+
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, rounds=2, selector_warmup=3)
+    assert [method.phase(r) for r in range(1, 7)] == ["selector"] * 3 + ["train"] * 2 + ["calibrate"]
+    assert [is_training_round(method, r) for r in range(1, 7)] == [False] * 3 + [True] * 2 + [False]
+    assert last_training_round(method) == 5
+    with pytest.raises(ConfigError, match="warm-up"):
+        FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, selector_calibration="lda", selector_warmup=1)
