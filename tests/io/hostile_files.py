@@ -7,10 +7,12 @@ pure function ``(bytes, numpy Generator) -> bytes`` so a failing example reprodu
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -79,11 +81,16 @@ def png_dims(data: bytes, rng: np.random.Generator) -> bytes:
     return _png_join(chunks)
 
 
-def png_bomb(width: int = 12_000, height: int = 12_000) -> bytes:
-    """A small PNG (all-zero grey rows, deflated) that declares ``width x height`` pixels."""
+@functools.lru_cache(maxsize=4)
+def png_bomb(width: int = 12_000, height: int = 12_000, rows: int | None = None) -> bytes:
+    """A small PNG (all-zero grey rows, deflated) that declares ``width x height`` pixels.
+
+    ``rows`` limits the rows actually stored (the header still declares ``height``): enough for
+    tests of checks made before decoding.
+    """
     raw = zlib.compressobj(9)
     row = b"\x00" * (width + 1)
-    body = b"".join(raw.compress(row) for _ in range(height)) + raw.flush()
+    body = b"".join(raw.compress(row) for _ in range(height if rows is None else rows)) + raw.flush()
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     return _png_join([(b"IHDR", ihdr), (b"IDAT", body), (b"IEND", b"")])
 
@@ -289,3 +296,22 @@ def bundle_metadata_edit(data: bytes, rng: np.random.Generator) -> bytes:
         header["__metadata__"] = [1, 2] if rng.random() < 0.5 else {"fedsm": ["x"]}
     text = json.dumps(header)
     return struct.pack("<Q", len(text)) + text.encode() + data[8 + length:]
+
+
+def write_small_bundle(path: Path, task_name: str) -> Path:
+    """A valid super model of untrained nets at 32 px (what infer needs to run end to end)."""
+    import torch
+
+    from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+    from engine.models import build_segmentation_net, build_selector
+    from engine.tasks import get_task
+
+    torch.manual_seed(0)
+    task = get_task(task_name)
+    sites = ["alpha", "beta"]
+    meta = BundleMetadata(task=task.name, label_names=list(task.label_names), in_channels=task.in_channels,
+                          image_size=32, selector_size=32, site_names=sites)
+    nets = {s: build_segmentation_net(task.in_channels, task.out_channels).state_dict() for s in sites}
+    save_bundle(path, SuperModelBundle(meta, build_segmentation_net(task.in_channels, task.out_channels).state_dict(),
+                                       nets, build_selector(task.in_channels, meta.selector_classes).state_dict()))
+    return path
