@@ -33,7 +33,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", choices=["fundus", "prostate"], default=None,
                    help="the task the data is for (default: the datalist's 'task', else from its first image)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    add_orientation_option(p)
     p.set_defaults(handler=validate_data_command)
+
+
+def add_orientation_option(p: argparse.ArgumentParser) -> None:
+    """``--tolerate-orientation DEG``: accept masks on the image's grid whose orientation header differs slightly."""
+    p.add_argument("--tolerate-orientation", type=float, default=0.0, metavar="DEG",
+                   help="accept a label volume whose orientation differs from its image's by up to DEG degrees "
+                        "when it is otherwise on the image's voxel grid (same shape, spacing and origin); it is "
+                        "taken voxel for voxel, never resampled (default 0: refused, the message gives the angle)")
+
+
+def apply_orientation_option(args: argparse.Namespace) -> None:
+    """Set the process-wide mask orientation tolerance from ``--tolerate-orientation``."""
+    from engine.io.masks import set_orientation_tolerance
+
+    set_orientation_tolerance(getattr(args, "tolerate_orientation", 0.0))
 
 
 def _short(path: str, base: Path) -> str:
@@ -79,6 +95,7 @@ def validate_data_command(args: argparse.Namespace) -> int:
     from engine.cli.main import setup_logging
 
     setup_logging(args.verbose)
+    apply_orientation_option(args)
     report = api.validate_data(args.datalists, convention=args.convention, task=args.task)
     if args.json:
         print(json.dumps(report, indent=2))

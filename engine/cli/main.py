@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prox-mu", type=float, default=0.01)
     p.add_argument("--extra-rounds", type=int, default=None, help="FedSM-extra selector rounds (default = rounds)")
     p.add_argument("--data", type=Path, default=None, help="data folder (default OUT/data; created if needed)")
+    from engine.cli.data_commands import add_orientation_option
+
+    add_orientation_option(p)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", type=Path, required=True)
 
@@ -104,8 +107,10 @@ def _run(args: argparse.Namespace) -> int:
             print(p)
         return 0
     if args.command == "simulate":
+        from engine.cli.data_commands import apply_orientation_option
         from engine.cli.progress import TerminalProgress
 
+        apply_orientation_option(args)
         setup_logging(args.verbose, args.out / "simulate.log")
         progress = TerminalProgress(args.out / "events.jsonl")
         try:

@@ -985,6 +985,9 @@ def series_beside(path: PathLike, series_uid: str | None = None) -> tuple[str, l
     with dicom_damage(p):
         item = _classify(p, ds, p.parent)
     if item is None:
+        if _text(ds, "Modality").upper() == "RTSTRUCT":
+            raise DataError(f"{p}: is an RT Structure Set (contours: a mask, not an image); open the image series it "
+                            "outlines, then load the RTSTRUCT as its mask")
         raise DataError(f"{p}: a DICOM object without pixels ({_text(ds, 'Modality') or 'unknown modality'}); "
                         "open an image series")
     if item.is_seg and series_uid is None:
