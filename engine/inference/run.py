@@ -199,6 +199,7 @@ def infer_path(
     cancel: CancelCheck | None = None,
     batch_size: int = 16,
     mask_format: str | None = None,
+    force_model: str | None = None,
 ) -> dict[str, Any]:
     """Segment a photo, a volume, a DICOM series, or every such input in a folder.
 
@@ -232,6 +233,9 @@ def infer_path(
     mask_format
         ``"nifti"`` (``.nii.gz``), ``"png"`` (photos) or ``"dicom-seg"`` (``.dcm``, DICOM inputs);
         ``None``: NIfTI for volumes, PNG for photos.
+    force_model
+        ``None`` routes every image with the selector; ``"global"`` or a site's name sends every
+        image to that model (``fedsm infer --model-choice``).
 
     Returns
     -------
@@ -277,7 +281,8 @@ def infer_path(
         study = _open(item, cancel)
         # Correct the up-front estimate with the real number of axial slices.
         total += 2 * (study.num_slices - hints[n])
-        seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel)
+        seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel,
+                           force_model=force_model)
         offset += 2 * study.num_slices
         fmt = _resolve_format(mask_format, study.kind == "volume")
         mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
@@ -302,6 +307,7 @@ def infer_path(
         "method": meta.method,
         "routing": meta.routing,
         "gamma": (meta.gamma if gamma is None else float(gamma)) if meta.routing == "gamma" else None,
+        "forced_model": force_model,
         "device": str(loaded.predictor.device),
         "mixed_precision": loaded.predictor.use_amp,
         "created": utc_now(),

@@ -120,6 +120,8 @@ def jpeg_dims(data: bytes, rng: np.random.Generator) -> bytes:
 
 def nifti_header_edit(data: bytes, rng: np.random.Generator) -> bytes:
     """An uncompressed NIfTI-1's header edited: giant or negative dims, NaN srow, odd datatype, offset."""
+    if len(data) < 352:  # already truncated into the header (a second mutation): nothing to edit
+        return flip_bytes(data, rng) if data else data
     out = bytearray(data)
     choice = int(rng.integers(0, 6))
     if choice == 0:  # dims
