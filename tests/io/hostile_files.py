@@ -155,6 +155,29 @@ def gzip_wrap(mutate: Mutation) -> Mutation:
     return wrapped
 
 
+# --- NRRD -----------------------------------------------------------------------------------------
+
+
+def nrrd_header_edit(data: bytes, rng: np.random.Generator) -> bytes:
+    """A NRRD text header's sizes, type, dimension, directions or encoding replaced by hostile values."""
+    end = data.find(b"\n\n")
+    if end < 0:
+        return flip_bytes(data, rng)
+    lines = data[:end].split(b"\n")
+    edits = {
+        b"sizes:": [b"sizes: 100000 100000 100000", b"sizes: 0 512 3", b"sizes: -5 5 5", b"sizes: 512 512"],
+        b"type:": [b"type: complex", b"type: block", b"type: double"],
+        b"dimension:": [b"dimension: 9", b"dimension: 0", b"dimension: 2"],
+        b"space directions:": [b"space directions: (nan,0,0) (0,1,0) (0,0,1)",
+                               b"space directions: (0,0,0) (0,0,0) (0,0,0)"],
+        b"encoding:": [b"encoding: raw", b"encoding: bzip2", b"encoding: ascii"],
+    }
+    key = list(edits)[int(rng.integers(0, len(edits)))]
+    options = edits[key]
+    lines = [options[int(rng.integers(0, len(options)))] if line.startswith(key) else line for line in lines]
+    return b"\n".join(lines) + data[end:]
+
+
 # --- DICOM -----------------------------------------------------------------------------------------
 
 

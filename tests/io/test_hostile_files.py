@@ -69,6 +69,22 @@ def test_giant_dicom_header_is_refused_before_reserving_memory(tmp_path: Path) -
     assert time.perf_counter() - start < 5
 
 
+@needs_data
+def test_jpeg2000_frame_larger_than_its_header_is_refused(tmp_path: Path) -> None:
+    """A real JPEG 2000 CT slice whose codestream (SIZ) declares 8192 columns against the header's 512."""
+    import struct
+
+    source = sorted((SHARED_DATA / "dicom" / "TotalSegmentator_example_ct_dicom").iterdir())[0]
+    data = bytearray(source.read_bytes())
+    at = data.find(b"\xff\x4f\xff\x51")
+    assert at > 0 and guard.codestream_size(bytes(data[at:at + 64])) == (512, 512)
+    struct.pack_into(">I", data, at + 8, 8192)  # Xsiz
+    (tmp_path / "ct").mkdir()
+    (tmp_path / "ct" / source.name).write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"the compressed frame is 8192x512 pixels but the header says 512x512"):
+        open_study(tmp_path / "ct")
+
+
 def test_pixel_budget_and_codestream_size() -> None:
     with pytest.raises(DataError, match=r"x\.dcm: the header declares 100000 frame\(s\) of 512x512 pixels"):
         guard.check_pixel_budget("x.dcm", 512, 512, 100_000, 16)
