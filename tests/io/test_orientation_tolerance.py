@@ -97,3 +97,26 @@ def test_validate_data_cli_option(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["validate-data", str(datalist)]) == 1
     assert "differs from the study's by 1.00 degrees" in capsys.readouterr().out
     assert main(["validate-data", str(datalist), "--tolerate-orientation", "1.5"]) == 0
+
+
+def test_training_loader_honours_the_tolerance(tmp_path: Path) -> None:
+    """Datalist loading for training (read_task_channels) uses the tolerance `fedsm simulate` sets."""
+    from engine.data.label_conventions import read_task_channels
+    from engine.tasks import get_task
+
+    image, mask = _case(tmp_path, 1.0)
+    study = open_study(image)
+    task = get_task("prostate")
+    with pytest.raises(DataError, match=r"by 1\.00 degrees"):
+        read_task_channels(task, mask, study)
+    set_orientation_tolerance(1.5)
+    channels = read_task_channels(task, mask, study)
+    assert channels.shape == (1, *study.shape) and channels.sum() > 0
+
+
+def test_simulate_takes_the_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.main import main
+
+    code = main(["simulate", "--task", "prostate", "--out", str(tmp_path / "o"), "--tolerate-orientation", "11"])
+    assert code == 2 and "--tolerate-orientation must be a number of degrees in [0, 10], got 11.0" in (
+        capsys.readouterr().err)
