@@ -187,6 +187,22 @@ def test_nifti_with_nan_orientation(tmp_path: Path, where: str) -> None:
         list_series(path)
 
 
+def test_nifti_gzip_bomb_after_the_voxels(tmp_path: Path) -> None:
+    """A small .nii.gz whose stream inflates to 64 MiB of zeros past its voxels: refused after 16 MiB."""
+    import gzip
+
+    plain = tmp_path / "v.nii"
+    nib.save(nib.Nifti1Image(np.zeros((4, 5, 6), np.float32), np.eye(4)), str(plain))
+    bomb = tmp_path / "v.nii.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as out:
+        out.write(plain.read_bytes())
+        for _ in range(64):
+            out.write(bytes(1 << 20))
+    assert bomb.stat().st_size < 200_000
+    with pytest.raises(DataError, match=r"v\.nii\.gz: more than 16 MiB of compressed data follow the voxels"):
+        open_study(bomb)
+
+
 # --- JSON: bundles and datalists ---------------------------------------------------------------------
 
 
