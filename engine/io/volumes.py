@@ -200,8 +200,11 @@ def _gzip_damage(path: Path) -> BaseException | None:
             if fh.read(2) != _GZIP_MAGIC:
                 return None
         with gzip.open(path, "rb") as stream:
-            while stream.read(_GZIP_CHUNK):
-                pass
+            total = 0
+            while chunk := stream.read(_GZIP_CHUNK):
+                total += len(chunk)
+                if total > 4 * MAX_VOXELS:  # no voxel data is that long: stop reading a bomb
+                    return DataError(f"inflates to more than {4 * MAX_VOXELS / 2**30:.1f} GiB")
     except (*_GZIP_ERRORS, OSError) as exc:
         return exc
     return None
