@@ -214,3 +214,19 @@ def test_a_disconnect_after_the_last_round_is_a_finished_run(reconnecting):
     state.apply_event({"event": "round_end", "round": 1, "rounds": 3})
     state.apply_event({"event": "disconnected", "reason": "connection closed", "reconnecting": True})
     assert state.status == "reconnecting"
+
+
+def test_demo_records_its_validation_dice_per_structure(tiny_demo):
+    import json
+    from pathlib import Path
+
+    from engine.demo import MANIFEST, TARGET_DICE
+
+    manifest = json.loads((Path(tiny_demo["cache_dir"]) / MANIFEST).read_text())
+    per_site = manifest["validation_dice"]
+    assert set(per_site) == {"site1", "site2", "site3"} and tiny_demo["validation_dice"] == per_site
+    assert all(set(d) == {"disc", "cup"} and all(0.0 <= v <= 1.0 for v in d.values()) for d in per_site.values())
+    worst = manifest["validation_dice_worst_site"]
+    assert worst == {k: min(d[k] for d in per_site.values()) for k in ("disc", "cup")}
+    assert manifest["meets_target"] == all(worst[k] >= TARGET_DICE[k] for k in TARGET_DICE)
+    assert manifest["torch_threads"] >= 1
