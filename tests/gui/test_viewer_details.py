@@ -230,3 +230,11 @@ def test_demo_records_its_validation_dice_per_structure(tiny_demo):
     assert worst == {k: min(d[k] for d in per_site.values()) for k in ("disc", "cup")}
     assert manifest["meets_target"] == all(worst[k] >= TARGET_DICE[k] for k in TARGET_DICE)
     assert manifest["torch_threads"] >= 1
+
+
+def test_demo_status_names_the_weakest_sites_validation_dice():
+    from fedsm_gui.controllers.demo import demo_validation_text
+
+    text = demo_validation_text({"site1": {"disc": 0.91, "cup": 0.72}, "site2": {"disc": 0.88, "cup": 0.64}})
+    assert "weakest of 2" in text and "disc 0.88" in text and "cup 0.64" in text and "not for diagnosis" in text
+    assert demo_validation_text({}) == ""
