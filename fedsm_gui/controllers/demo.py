@@ -77,8 +77,8 @@ class DemoController:
         self.validation = demo_validation_text(paths.get("validation_dice") or {})
 
         def segmented() -> None:
-            if self.validation:
-                self.main.show_status(self.validation)
+            if self.validation:  # after the reference mask's own status line
+                self.studies.mask_opened.append(self._once(lambda: self.main.show_status(self.validation)))
             if on_ready is not None:
                 self.studies.mask_opened.append(self._once(on_ready))
             self.studies.open_mask(paths["reference"])
