@@ -129,8 +129,8 @@ class SegmentationView:
         raise NotImplementedError
 
     def set_current(self, index: int | None, model: str | None, confidence: float | None,
-                    probabilities: dict[str, float], runner_up: str | None) -> None:
-        """Values of the current image/slice (``None``: no result yet)."""
+                    probabilities: dict[str, float], runner_up: str | None, reason: str = "") -> None:
+        """Values of the current image/slice (``None``: no result yet); ``reason``: why this model."""
         raise NotImplementedError
 
     def set_cup_to_disc(self, model_value: Any, reference_value: Any) -> None:

@@ -36,6 +36,7 @@ SITE_EVENT_KEYS = {
     "round_start": {"round", "rounds", "method"}, "batch": {"round", "batch", "batches", "loss", "method"},
     "metrics": {"round", "loss", "dice"}, "sent": {"round", "bytes", "contents"},
     "round_end": {"round", "rounds", "wall_s"}, "finished": {"rounds"},
+    "run_settings": {"settings"},  # the signed run spec, verified by the site (engine.security.run_spec)
 }
 
 
@@ -96,6 +97,8 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         metrics = next(e for e in events if e["event"] == "metrics" and e["round"] == 1)
         assert set(metrics["dice"]) == {"global", "personalized", "local"}
         assert all(0.0 <= v <= 1.0 for v in metrics["dice"].values())
+        shown = next(e for e in events if e["event"] == "run_settings")["settings"]
+        assert shown["signed"] is True and shown["method"] == "fedsm" and shown["image_size"] == 32
         sent = next(e for e in events if e["event"] == "sent" and e["round"] == 1)
         assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60}
         assert sent["contents"]["num_examples"] > 0 and "loss_global" in sent["contents"]["metrics"]
@@ -127,11 +130,13 @@ def check_sites_address_serves_only_the_fleet_api(port: int, superlink_port: int
     with pytest.raises(httpx.HTTPStatusError, match="404"):
         control.StartRun(StartRunRequest())
     control.close()
-    # ... while on the coordinator's loopback interface (plain HTTP) the Control API answers
+    # ... and on the coordinator's loopback interface (plain HTTP) it answers only the coordinator's
+    # process, which holds the secret (local_auth; tests/federation/test_local_auth.py probes every call)
     local = ControlHttpClient.from_server_address(
         f"127.0.0.1:{superlink_port}", True, None,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
-    assert len(local.ListNodes(ListNodesRequest()).nodes_info) == 3
+    with pytest.raises(httpx.HTTPStatusError, match="401"):
+        local.ListNodes(ListNodesRequest())
     local.close()
     assert listening_addresses(superlink_port) == {"127.0.0.1"}
 
@@ -183,7 +188,8 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
         assert isinstance(message, Message)
         content = message.content
         allowed = {records.INFO, records.METRICS, records.LAYOUT} | {
-            records.WEIGHTS_PREFIX + p for p in ("global", "personal", "selector", "selector_stats")}
+            records.WEIGHTS_PREFIX + p
+            for p in ("global", "personal", "selector", "selector_optim", "selector_stats", "selector_temperature")}
         assert set(content) <= allowed, set(content)
         info = content.config_records[records.INFO]
         assert set(info) <= {"site", "round"} and info["site"] in SITES
@@ -195,6 +201,9 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
             for name, tensor in tensors.items():
                 if part == "selector_stats":
                     assert name in STAT_KEYS and tensor.dim() <= 2
+                elif part == "selector_optim":  # Adam moments of selector parameters, and the step count
+                    moment = name.removeprefix("exp_avg_sq.").removeprefix("exp_avg.")
+                    assert name == "step" or shapes[moment] == tuple(tensor.shape), (part, name)
                 else:
                     assert shapes[name] == tuple(tensor.shape), (part, name)  # a model parameter, nothing else
         replies += 1
