@@ -238,3 +238,17 @@ def test_demo_status_names_the_weakest_sites_validation_dice():
     text = demo_validation_text({"site1": {"disc": 0.91, "cup": 0.72}, "site2": {"disc": 0.88, "cup": 0.64}})
     assert "weakest of 2" in text and "disc 0.88" in text and "cup 0.64" in text and "not for diagnosis" in text
     assert demo_validation_text({}) == ""
+
+
+def test_a_mask_without_names_takes_the_models_label_names():
+    from engine.io.study import LabelMap
+    from fedsm_gui.models.overlay import REFERENCE_LAYER, OverlayState
+
+    overlays = OverlayState()
+    array = np.zeros((4, 4, 2), np.uint8)
+    array[1, 1, 1] = 1
+    array[2, 2, 0] = 3
+    overlays.set_layer(REFERENCE_LAYER, LabelMap(array, {1: "label 1", 3: "label 3"}))
+    overlays.set_layer(MODEL_LAYER, LabelMap(array, {1: "prostate"}))
+    names = {v: s.name for v, s in overlays.layers[REFERENCE_LAYER].styles.items()}
+    assert names == {1: "prostate", 3: "label 3"}  # a value the model does not know keeps its number
