@@ -193,6 +193,27 @@ def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
             "signed": bool(settings.get("signed"))}
 
 
+def format_settings(shown: Mapping[str, Any]) -> str:
+    """:func:`describe`'s dict as one readable line."""
+    order = (("method", "{}"), ("task", "task {}"), ("rounds", "{} rounds"), ("epochs", "{} epoch(s) per round"),
+             ("batch_size", "batch {}"), ("lr", "lr {:g}"), ("selector_lr", "selector lr {:g}"),
+             ("image_size", "{} px"), ("seed", "seed {}"), ("lam", "lam {:g}"), ("gamma", "gamma {:g}"))
+    parts = []
+    for key, pattern in order:
+        value = shown.get(key)
+        if value is not None:
+            try:
+                parts.append(pattern.format(value))
+            except (TypeError, ValueError):
+                parts.append(f"{key} {value}")
+    sites = shown.get("site_names")
+    if isinstance(sites, list | tuple):
+        parts.append("sites " + ", ".join(map(str, sites)))
+    origin = "signed by the coordinator" if shown.get("signed") else "NOT signed (insecure mode)"
+    return f"run settings ({origin}, within this site's bounds): " + "; ".join(parts) + \
+        f"; app {str(shown.get('app_hash', '?'))[:19]}…"
+
+
 def bounds_dict(bounds: SiteBounds) -> dict[str, Any]:
     """``bounds`` as JSON-ready data (passed to the SuperNode's launcher)."""
     out = asdict(bounds)
