@@ -34,6 +34,11 @@ DEFAULT_LAM = {"fundus": 0.7, "prostate": 0.3}
 REPORT_SCHEMA = "fedsm-simulation-report/1"
 
 
+def extra_rounds_default(rounds: int) -> int:
+    """FedSM-extra's selector rounds when none are given: half the training rounds, rounded up (paper: 100 + 50)."""
+    return max(1, -(-int(rounds) // 2))
+
+
 @dataclass
 class SimulationConfig:
     """Everything that determines a simulation's result (recorded in the report)."""
@@ -49,16 +54,32 @@ class SimulationConfig:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-5
+    selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
     prox_mu: float = 0.01
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
+    #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
+    #: count and no synthetic data is made.
+    datalists: tuple[str, ...] = ()
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.01
+    loss: str = "dice"
+    keep_best: bool = True
+    selector_calibration: str = "none"
+    selector_warmup: int = 0
+    selector_epochs: int = 1
+    selector_bn: str = "running"
+    routing_guard: bool = True
+    holdout_site: str | None = None
 
     def __post_init__(self) -> None:
         get_task(self.task)
+        if self.datalists:
+            self.datalists = tuple(str(p) for p in self.datalists)
+            self.sites = len(self.datalists)
         unknown = [m for m in self.methods if m not in ALL_METHODS]
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
@@ -66,28 +87,44 @@ class SimulationConfig:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
+        from engine.fl.selector_training import check_calibration
+
+        check_calibration(self.selector_calibration)
+        training_sites = self.sites - (1 if self.holdout_site else 0)
+        if training_sites < 1:
+            raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
         if self.lam is None:
             # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
-            self.lam = max(DEFAULT_LAM[self.task], 1.0 / self.sites)
+            self.lam = max(DEFAULT_LAM[self.task], 1.0 / training_sites)
         if {"fedsm", "fedsm-extra"} & set(self.methods):
             from engine.fl.aggregation import check_lam
 
-            check_lam(self.lam, self.sites)
+            check_lam(self.lam, training_sites)
         if self.extra_rounds is None:
-            self.extra_rounds = self.rounds
+            self.extra_rounds = extra_rounds_default(self.rounds)
 
-    def training(self) -> Any:
+    def training(self, per_batch_selector: bool = False) -> Any:
+        """Local training settings; ``per_batch_selector`` for methods that keep the per-batch selector
+        (FedSM-extra, the personalization variants), whose default selector lr is the small one."""
         from engine.fl.local_training import LocalTrainingConfig
+        from engine.fl.selector_training import default_selector_lr
 
+        scheme = "lda" if per_batch_selector else self.selector_calibration
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                   selector_lr=self.selector_lr, selector_size=self.selector_size,
-                                   selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device)
+                                   selector_lr=default_selector_lr(scheme, self.selector_lr),
+                                   selector_size=self.selector_size, selector_epochs=self.selector_epochs,
+                                   selector_bn=self.selector_bn,
+                                   selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device,
+                                   lr_schedule=self.lr_schedule, lr_min_ratio=self.lr_min_ratio, loss=self.loss)
 
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
-    """Reuse matching synthetic data under the data folder, or generate it."""
+    """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
     from engine.data.synth import existing_federation, generate_federation
 
+    if cfg.datalists:
+        log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
+        return [Path(p) for p in cfg.datalists]
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
     found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
     if found is not None:
@@ -117,6 +154,10 @@ class MethodResult:
     rounds: list[dict[str, Any]]
     bytes_per_round: dict[str, dict[str, float]]
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Round whose weights were evaluated (best by validation Dice; the last round with ``keep_best`` off).
+    best_round: int | None = None
+    #: :meth:`engine.fl.model_selection.BestRoundKeeper.summary` (empty with ``keep_best`` off).
+    model_selection: dict[str, Any] = field(default_factory=dict)
 
 
 class Simulation:
@@ -130,9 +171,13 @@ class Simulation:
         self.cancel = cancel
         self.task: TaskSpec = get_task(cfg.task)
         self.sites: list[Any] = []
+        #: The site left out of training (``holdout_site``), evaluated as unseen; ``None`` without one.
+        self.holdout: Any = None
         #: Optional ``hook(method, round, state, runtimes)`` called after every aggregation (the
         #: benchmarks record per-round curves with it); ``None`` leaves every run untouched.
         self.round_hook: Callable[[Any, int, dict[str, Any], list[Any]], None] | None = None
+        #: The best-round keeper of the last method run (``None`` with ``keep_best`` off).
+        self.last_keeper: Any = None
 
     # --- data ----------------------------------------------------------------------------
     def load_sites(self) -> None:
@@ -143,6 +188,11 @@ class Simulation:
         names = [s.name for s in self.sites]
         if len(set(names)) != len(names):
             raise ConfigError(f"site names must be unique, got {names}")
+        if self.cfg.holdout_site is not None:
+            if self.cfg.holdout_site not in names:
+                raise ConfigError(f"--holdout-site {self.cfg.holdout_site!r} is not a site of this federation; "
+                                  f"choose one of {', '.join(names)}")
+            self.holdout = self.sites.pop(names.index(self.cfg.holdout_site))
 
     def _runtimes(self) -> list[Any]:
         from engine.fl.methods import SiteRuntime
@@ -198,10 +248,11 @@ class Simulation:
         if name == "fedprox":
             return m.FedProx(self.task, names, training, cfg.seed, cfg.rounds, mu=cfg.prox_mu)
         if name == "fedsm":
-            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma)
+            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
+                           selector_calibration=cfg.selector_calibration, selector_warmup=cfg.selector_warmup)
         if name == "fedsm-extra":
-            return m.FedSMExtra(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
-                                extra_rounds=cfg.extra_rounds)
+            return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
+                                lam=cfg.lam, gamma=cfg.gamma, extra_rounds=cfg.extra_rounds)
         return m.METHODS[name](self.task, names, training, cfg.seed, cfg.rounds)
 
     def run_method(self, name: str) -> MethodResult:
@@ -221,6 +272,7 @@ class Simulation:
             method.name = "centralized"  # type: ignore[misc]
             pooled_runtime = self._pooled_runtime()
             self._attach_round_hook(method, [pooled_runtime])
+            keeper = self._attach_best_round(method, [pooled_runtime])
             state, records = run_rounds(method, [pooled_runtime], self.cfg.rounds,
                                         progress=self.progress, cancel=self.cancel)
             weights = state["global"]
@@ -229,25 +281,67 @@ class Simulation:
             rounds, _ = self._round_summaries(records)
             zero = {"received_mean": 0.0, "sent_mean": 0.0, "received_total": 0.0, "sent_total": 0.0}
             return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds,
-                                {s.name: dict(zero) for s in self.sites})
+                                {s.name: dict(zero) for s in self.sites}, self._unseen_dice(weights),
+                                **self._selection(keeper, method))
 
         method = self._build_method(name)
         runtimes = self._runtimes()
         self._attach_round_hook(method, runtimes)
+        keeper = self._attach_best_round(method, runtimes)
         state, records = run_rounds(method, runtimes, method.total_rounds, progress=self.progress,
                                     cancel=self.cancel)
         if name == "local":
             models = [rt.state["local_model"] for rt in runtimes]
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
+            extra["cross_site"] = self._cross_site(models)
         elif name in ("fedsm", "fedsm-extra") or isinstance(method, FedSM):
             per_site, client_avg, pooled, extra = self._evaluate_supermodel(method, state, records)
         else:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
+            extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
+            extra |= self._unseen_dice(state["global"])
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
-                            extra)
+                            extra, **self._selection(keeper, method))
+
+    def _attach_best_round(self, method: Any, runtimes: list[Any]) -> Any:
+        """With ``keep_best``: a :class:`~engine.fl.model_selection.BestRoundKeeper` on ``method`` (else ``None``)."""
+        if not self.cfg.keep_best:
+            return None
+        from engine.fl.model_selection import BestRoundKeeper, attach_best_round
+
+        keeper = BestRoundKeeper(self.task, self.sites, self.cfg.device)
+        attach_best_round(method, runtimes, keeper)
+        self.last_keeper = keeper
+        return keeper
+
+    @staticmethod
+    def _selection(keeper: Any, method: Any) -> dict[str, Any]:
+        if keeper is None:
+            return {"best_round": method.rounds, "model_selection": {}}
+        summary = keeper.summary()
+        return {"best_round": summary.get("best_round"), "model_selection": summary}
+
+    def _cross_site(self, models: list[Any]) -> dict[str, Any]:
+        """Local baseline scored as the paper scores it: every site's model on *every* site's test data.
+
+        ``per_model[site]`` is that site's model's client average over all sites; ``client_average``
+        and ``pooled`` average those over the models (the own-site scores stay in the main result).
+        """
+        from engine.fl.evaluation import segment_with
+
+        per_model: dict[str, dict[str, float]] = {}
+        pooled: list[dict[str, float]] = []
+        for j, site in enumerate(self.sites):
+            _, avg, pool = self._evaluate(lambda k, x, j=j: segment_with(self.task, models[j], x, self.cfg.device))
+            per_model[site.name] = avg
+            pooled.append(pool)
+        keys = [*self.task.label_names, "mean"]
+        return {"per_model": per_model,
+                "client_average": {k: float(np.mean([v[k] for v in per_model.values()])) for k in keys},
+                "pooled": {k: float(np.mean([v[k] for v in pooled])) for k in keys}}
 
     def run_exchange_method(self, name: str) -> MethodResult:
         """Train and evaluate a dialogue method (:mod:`engine.fl.exchange`) through the in-process transport.
@@ -301,8 +395,14 @@ class Simulation:
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
         from engine.bundle import BundleMetadata, SuperModelBundle
+        from engine.inference.guard import site_validation_from_state
 
         extra_method = method.name == "fedsm-extra"
+        guarded = not extra_method and "validation_dice" in state
+        details: dict[str, Any] = {"seed": self.cfg.seed,
+                                   "selector_calibration": getattr(method, "selector_calibration", "lda")}
+        if "selector_calibration" in state:
+            details["selector_temperature"] = float(state["selector_calibration"]["temperature"][0])
         meta = BundleMetadata(
             task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
             image_size=self.cfg.image_size, selector_size=self.cfg.selector_size,
@@ -310,10 +410,26 @@ class Simulation:
             site_names=[s.name for s in self.sites], method=method.name,
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
             gamma=float(self.cfg.gamma),
-            rounds=method.total_rounds,
-            val_dice=val_dice, extra={"seed": self.cfg.seed})
+            rounds=method.total_rounds, val_dice=val_dice,
+            site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
+            routing_guard=bool(self.cfg.routing_guard) and guarded, extra=details)
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
+
+    def _single_model_bundle(self, name: str, weights: Any, rounds: int) -> Any:
+        """FedAvg/FedProx/Scaffold's global model as a single-model bundle, with its per-site validation Dice."""
+        from engine.bundle.single import single_model_bundle
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        val_dice: dict[str, float | None] = {}
+        for site in self.sites:
+            v = site.validation
+            value = (float(dice_per_case(segment_with(self.task, weights, v.images, self.cfg.device),
+                                         v.masks, v.case_ids).mean()) if len(v.images) else None)
+            val_dice[site.name] = value if value is not None and np.isfinite(value) else None
+        return single_model_bundle(self.task.name, name, weights, [s.name for s in self.sites], self.cfg.image_size,
+                                   rounds=rounds, val_dice=val_dice,
+                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate"})
 
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:
@@ -365,6 +481,7 @@ class Simulation:
             lambda k, x: segment_with(self.task, state[f"personal/{names[k]}"], x, self.cfg.device))
         extra = {
             "selector_accuracy": held_out_acc,
+            **({"selector": self._selector_analysis(predictor)} if method.name == "fedsm" else {}),
             "routing": routing,
             "gamma": self.cfg.gamma,
             "lam": self.cfg.lam,
@@ -374,6 +491,36 @@ class Simulation:
             "bundle": bundle,
         }
         return per_site, client_avg, pooled, extra
+
+    def _unseen_images(self) -> Any:
+        """All images of the held-out site (every split is unseen), ``None`` without one."""
+        from engine.selector_report import SiteImages
+
+        if self.holdout is None:
+            return None
+        parts = [self.holdout.train, self.holdout.validation, self.holdout.test]
+        offsets = np.cumsum([0] + [int(p.case_ids.max(initial=-1)) + 1 for p in parts])
+        return SiteImages(self.holdout.name, np.concatenate([p.images for p in parts]),
+                          np.concatenate([p.masks for p in parts]),
+                          np.concatenate([p.case_ids + o for p, o in zip(parts, offsets, strict=False)]))
+
+    def _selector_analysis(self, predictor: Any) -> dict[str, Any]:
+        """Selector confidence, calibration, routing per gamma and guard on/off Dice (:mod:`engine.selector_report`)."""
+        from engine.selector_report import SiteImages, selector_report
+
+        seen = [SiteImages(s.name, s.test.images, s.test.masks, s.test.case_ids) for s in self.sites]
+        return selector_report(predictor, seen, self._unseen_images(), self.cfg.gamma)
+
+    def _unseen_dice(self, weights: Any) -> dict[str, Any]:
+        """Dice of one model on the held-out site (``{}`` without one)."""
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        unseen = self._unseen_images()
+        if unseen is None:
+            return {}
+        masks = segment_with(self.task, weights, unseen.images, self.cfg.device)
+        return {"unseen": {"site": unseen.name,
+                           "dice": float(dice_per_case(masks, unseen.masks, unseen.case_ids).mean())}}
 
     # --- whole run -----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -399,17 +546,22 @@ class Simulation:
                 self.progress({"event": "method_end", "method": name, "client_average": result.client_average,
                                "wall_s": round(result.wall_s, 2)})
         supermodel: dict[str, Any] = {}
+        global_models: dict[str, Any] = {}
         failed: list[str] = []
-        for name, file in (("fedsm", "supermodel.safetensors"), ("fedsm-extra", "supermodel-extra.safetensors")):
-            if name in bundles:
-                path = self.out_dir / file
-                try:
-                    digest = save_bundle(path, bundles[name])
-                    supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
-                except Exception as exc:  # a full disk or a failing write: the report is still written
-                    reason = _write_failure(exc)
-                    supermodel[name] = {"path": None, "error": f"could not write {file}: {reason}"}
-                    failed.append(f"{file} ({reason})")
+        # FedSM's super models under their historic names; FedAvg, FedProx, Scaffold (and the other
+        # methods with a bundle) as a single-model bundle <method>.safetensors.
+        files = {"fedsm": "supermodel.safetensors", "fedsm-extra": "supermodel-extra.safetensors"}
+        for name, bundle in bundles.items():
+            file = files.get(name, f"{name}.safetensors")
+            entries = supermodel if name in files else global_models
+            path = self.out_dir / file
+            try:
+                digest = save_bundle(path, bundle)
+                entries[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+            except Exception as exc:  # a full disk or a failing write: the report is still written
+                reason = _write_failure(exc)
+                entries[name] = {"path": None, "error": f"could not write {file}: {reason}"}
+                failed.append(f"{file} ({reason})")
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -417,8 +569,10 @@ class Simulation:
             "machine": _machine_info(self.cfg.device),
             "task": {"name": self.task.name, "label_names": list(self.task.label_names)},
             "sites": [_site_summary(s) for s in self.sites],
+            "holdout_site": _site_summary(self.holdout) if self.holdout is not None else None,
             "methods": {name: asdict(r) for name, r in results.items()},
             "supermodel": supermodel,
+            "global_models": global_models,
             "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
             "wall_s": round(time.perf_counter() - started, 2),
         }

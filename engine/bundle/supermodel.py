@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import engine
-from engine.errors import BundleError, ConfigError
+from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
 from engine.tasks import get_task
 
@@ -46,10 +46,14 @@ BUNDLE_FORMAT_VERSION = 1
 #: safetensors metadata key holding the :class:`BundleMetadata` JSON.
 METADATA_KEY = "fedsm"
 
-METHODS = ("fedsm", "fedsm-extra")
-ROUTINGS = ("gamma", "argmax")
-#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models.
-ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax"}
+#: Methods whose result is one global model: a *single-model bundle* (routing ``"none"``: no
+#: selector, no personalized models; ``site_names`` are the sites that trained it).
+SINGLE_MODEL_METHODS = ("fedavg", "fedprox", "scaffold", "centralized")
+METHODS = ("fedsm", "fedsm-extra", *SINGLE_MODEL_METHODS)
+ROUTINGS = ("gamma", "argmax", "none")
+#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models;
+#: single-model bundles do not route.
+ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
@@ -115,6 +119,14 @@ class BundleMetadata:
         Federated rounds trained.
     val_dice
         Per-site validation Dice of the routed super model (``None`` where not measured).
+    site_validation
+        Per site, the validation Dice its site measured for the final global model and for its
+        own final personalized model: ``{"global": d, "personal": d}`` (either may be ``None``).
+        Empty in bundles written before the routing guard existed.
+    routing_guard
+        Whether inference routes to a site's personalized model only where that model beat the
+        global one in ``site_validation`` (see :mod:`engine.inference.guard`); ``False`` in
+        bundles written before the guard existed, so they route as they always did.
     created
         Creation time, ISO 8601 UTC.
     engine_version
@@ -139,6 +151,8 @@ class BundleMetadata:
     gamma: float = 0.5
     rounds: int = 0
     val_dice: dict[str, float | None] = field(default_factory=dict)
+    site_validation: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    routing_guard: bool = False
     created: str = field(default_factory=_utc_now)
     engine_version: str = engine.__version__
     extra: dict[str, Any] = field(default_factory=dict)
@@ -149,6 +163,7 @@ class BundleMetadata:
         self.label_names = list(self.label_names)
         self.site_names = list(self.site_names)
         self.val_dice = dict(self.val_dice)
+        self.site_validation = {k: dict(v) if isinstance(v, dict) else v for k, v in dict(self.site_validation).items()}
         self.extra = dict(self.extra)
         if not self.normalisation:
             self.normalisation = get_task(self.task).normalisation
@@ -161,13 +176,26 @@ class BundleMetadata:
 
     @property
     def selector_classes(self) -> int:
-        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing."""
+        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing, 0 without one."""
+        if self.routing == "none":
+            return 0
         return self.num_sites + (1 if self.routing == "argmax" else 0)
 
     @property
+    def single_model(self) -> bool:
+        """Whether this is a single-model bundle (FedAvg, FedProx, Scaffold: the global model only)."""
+        return self.routing == "none"
+
+    @property
+    def personal_sites(self) -> list[str]:
+        """Sites with a personalized model in the bundle: all of ``site_names``, none for a single model."""
+        return [] if self.single_model else list(self.site_names)
+
+    @property
     def model_names(self) -> list[str]:
-        """Name of every routable model by index: ``["global", site_1, ..., site_K]``."""
-        return ["global", *self.site_names]
+        """Name of every routable model by index: ``["global", site_1, ..., site_K]`` (``["global"]`` alone
+        for a single-model bundle)."""
+        return ["global", *self.personal_sites]
 
     def validate(self) -> None:
         """Check every field and their consistency; raise :class:`ConfigError` on the first problem."""
@@ -228,6 +256,18 @@ class BundleMetadata:
                 raise ConfigError(f"val_dice names site {site!r}, not one of site_names {self.site_names}")
             if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
                 raise ConfigError(f"val_dice[{site!r}] must be a number in [0, 1] or null, got {dice!r}")
+        if not isinstance(self.routing_guard, bool):
+            raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
+        for site, scores in self.site_validation.items():
+            if site not in self.site_names:
+                raise ConfigError(f"site_validation names site {site!r}, not one of site_names {self.site_names}")
+            if not isinstance(scores, dict) or not set(scores) <= {"global", "personal"}:
+                raise ConfigError(f"site_validation[{site!r}] must map 'global' and 'personal' to Dice values, "
+                                  f"got {scores!r}")
+            for which, dice in scores.items():
+                if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
+                    raise ConfigError(f"site_validation[{site!r}][{which!r}] must be a number in [0, 1] or null, "
+                                      f"got {dice!r}")
         if not isinstance(self.created, str) or not isinstance(self.engine_version, str):
             raise ConfigError("created and engine_version must be strings")
 
@@ -248,10 +288,15 @@ class BundleMetadata:
         BundleError
             When the text is not FedSM metadata, comes from a newer FedSM, or is inconsistent.
         """
+        from engine.io.guard import load_json
+
+        if not isinstance(text, str):
+            raise BundleError(f"its FedSM metadata is a {type(text).__name__}, not JSON text; it was not written by "
+                              "FedSM")
         try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise BundleError(f"its FedSM metadata is not valid JSON ({exc})") from exc
+            raw = load_json(text, "its FedSM metadata")
+        except DataError as exc:
+            raise BundleError(str(exc)) from None
         if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
             raise BundleError(f"it was not written by FedSM (metadata format is not {BUNDLE_FORMAT!r})")
         # The version is checked before anything else: a newer layout may have other fields.
@@ -269,6 +314,9 @@ class BundleMetadata:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise BundleError(f"its metadata has unknown fields {unknown}; it may come from a newer FedSM")
+        from engine.bundle.schema import check_metadata
+
+        check_metadata(raw)
         try:
             return cls(**raw)
         except TypeError as exc:
@@ -333,15 +381,16 @@ def _flatten(bundle: SuperModelBundle) -> dict[str, torch.Tensor]:
     tensor whose storage was already seen is cloned.
     """
     meta = bundle.metadata
-    declared, given = set(meta.site_names), set(bundle.personal_weights)
+    declared, given = set(meta.personal_sites), set(bundle.personal_weights)
     if declared != given:
         raise ConfigError(
             f"personal weights are for sites {sorted(given)} but metadata declares {meta.site_names}; "
             "give one personalized model per declared site"
         )
     parts: list[tuple[str, dict[str, torch.Tensor]]] = [("global", bundle.global_weights)]
-    parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.site_names]
-    parts.append(("selector", bundle.selector_weights))
+    parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.personal_sites]
+    if not meta.single_model:
+        parts.append(("selector", bundle.selector_weights))
 
     flat: dict[str, torch.Tensor] = {}
     seen_storage: set[int] = set()
@@ -411,10 +460,12 @@ def _read_header(path: Path) -> dict[str, Any]:
             header_bytes = fh.read(header_len)
     except OSError as exc:
         raise BundleError(f"{path}: cannot be read ({exc}); check permissions") from exc
+    from engine.io.guard import load_json
+
     try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise BundleError(f"{not_safetensors} [header is not JSON]") from None
+        header = load_json(header_bytes, "header")
+    except DataError as exc:
+        raise BundleError(f"{not_safetensors} [{exc}]") from None
     if not isinstance(header, dict):
         raise BundleError(f"{not_safetensors} [header is not a JSON object]")
     data_len = size - 8 - header_len
@@ -445,7 +496,7 @@ def read_metadata(path: PathLike) -> BundleMetadata:
     p = Path(path)
     header = _read_header(p)
     meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or METADATA_KEY not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
         raise BundleError(
             f"{p}: this safetensors file was not written by FedSM (it has no {METADATA_KEY!r} metadata); "
             "choose a super-model bundle exported by FedSM"
@@ -475,7 +526,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
     metadata = read_metadata(p)
     global_weights: dict[str, torch.Tensor] = {}
     selector_weights: dict[str, torch.Tensor] = {}
-    personal: dict[str, dict[str, torch.Tensor]] = {site: {} for site in metadata.site_names}
+    personal: dict[str, dict[str, torch.Tensor]] = {site: {} for site in metadata.personal_sites}
     try:
         with safe_open(str(p), framework="pt", device="cpu") as fh:
             for name in fh.keys():
@@ -489,7 +540,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
                     if site not in personal:
                         raise BundleError(
                             f"{p}: holds weights for site {site!r}, which its metadata does not declare "
-                            f"(sites: {metadata.site_names}); the file is inconsistent, export it again"
+                            f"(sites: {metadata.personal_sites}); the file is inconsistent, export it again"
                         )
                     personal[site][key] = fh.get_tensor(name)
                 else:
@@ -504,7 +555,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
     missing = [f"site {site!r}" for site, w in personal.items() if not w]
     if not global_weights:
         missing.insert(0, "the global model")
-    if not selector_weights:
+    if not selector_weights and not metadata.single_model:
         missing.append("the model selector")
     if missing:
         raise BundleError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
 from engine.inference.device import resolve_device
+from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
 from engine.models import build_segmentation_net, build_selector
 
@@ -43,12 +44,19 @@ class Prediction:
         ``float32 (N, K)`` (FedSM) or ``(N, K + 1)`` (FedSM-extra) selector softmax.
     confidence
         ``float32 (N,)`` largest selector probability.
+    reasons
+        One sentence per image: why it went to its model (:mod:`engine.inference.guard`).
+    guarded
+        ``bool (N,)``: images the routing guard sent to the global model instead of the
+        personalized model the selector chose.
     """
 
     masks: np.ndarray
     routed: np.ndarray
     probabilities: np.ndarray
     confidence: np.ndarray
+    reasons: list[str] = field(default_factory=list)
+    guarded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def routed_names(self, site_names: Sequence[str]) -> list[str]:
         """Name of the model used per image: ``"global"`` or the site's name."""
@@ -140,23 +148,26 @@ class SuperModelPredictor:
         self.global_net = build_segmentation_net(meta.in_channels, len(meta.label_names))
         _fit_weights(self.global_net, bundle.global_weights, f"global model ({layout})", where)
         self.personal_nets: list[nn.Module] = []
-        for site in meta.site_names:
+        for site in meta.personal_sites:
             net = build_segmentation_net(meta.in_channels, len(meta.label_names))
             what = f"personalized model of site {site!r} ({layout})"
             _fit_weights(net, bundle.personal_weights[site], what, where)
             self.personal_nets.append(net)
-        self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
-        _fit_weights(
-            self.selector,
-            bundle.selector_weights,
-            f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
-            where,
-        )
+        # A single-model bundle (FedAvg, FedProx, Scaffold) has no selector: every image goes to the global model.
+        self.selector: nn.Module | None = None
+        if not meta.single_model:
+            self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
+            _fit_weights(
+                self.selector,
+                bundle.selector_weights,
+                f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
+                where,
+            )
         for net in self._models():
             net.to(self.device).eval()
 
     def _models(self) -> list[nn.Module]:
-        return [self.global_net, *self.personal_nets, self.selector]
+        return [self.global_net, *self.personal_nets, *([self.selector] if self.selector is not None else [])]
 
     @property
     def num_models(self) -> int:
@@ -200,6 +211,7 @@ class SuperModelPredictor:
         force_model: int | None = None,
         progress: ProgressCallback | None = None,
         cancel: CancelCheck | None = None,
+        routing_guard: bool | None = None,
     ) -> Prediction:
         """Segment ``images`` with the routed super model.
 
@@ -220,6 +232,10 @@ class SuperModelPredictor:
             once for the selector and once for its U-Net, so ``total = 2 * N`` is known up front.
         cancel
             Checked before every batch; when it returns True, :class:`CancelledError` is raised.
+        routing_guard
+            Route to a site's personalized model only where it beat the global model on the
+            site's validation data (:mod:`engine.inference.guard`); ``None`` uses the bundle's
+            setting. Only FedSM (gamma) bundles have a guard.
 
         Returns
         -------
@@ -254,22 +270,36 @@ class SuperModelPredictor:
             if cancel is not None and cancel():
                 raise CancelledError(f"inference cancelled during {stage} after {done} of {total} steps")
 
-        probs = np.zeros((n, meta.selector_classes), dtype=np.float32)
+        # single model: one "choice", the global model, with probability 1 (there is nothing to choose)
+        probs = np.zeros((n, max(meta.selector_classes, 1)), dtype=np.float32)
+        if self.selector is None:
+            probs[:] = 1.0
         masks = np.zeros((n, len(meta.label_names), height, width), dtype=np.uint8)
         with torch.inference_mode(), self._autocast():
-            for sl in _batches(n, batch_size):
+            for sl in _batches(n, batch_size) if self.selector is not None else ():
                 check_cancel("model selection")
                 x = self._to_device(resize_images(arr[sl], meta.selector_size))
                 # Softmax in float32: under autocast the logits may be fp16.
                 probs[sl] = torch.softmax(self.selector(x).float(), dim=1).cpu().numpy()
                 step(sl.stop - sl.start)
 
-            if force_model is not None:
-                routed = np.full(n, int(force_model), dtype=np.int64)
+            guard_on = meta.routing_guard if routing_guard is None else bool(routing_guard)
+            decisions = None
+            if self.selector is None:  # a single-model bundle
+                chosen = np.zeros(n, dtype=np.int64)
+                step(n)
+            elif force_model is not None:
+                chosen = np.full(n, int(force_model), dtype=np.int64)
             elif meta.routing == "argmax":
-                routed = route_fedsm_extra(probs)
+                chosen = route_fedsm_extra(probs)
             else:
-                routed = route_fedsm(probs, threshold)
+                chosen = route_fedsm(probs, threshold)
+                if guard_on:
+                    decisions = guard_decisions(meta.site_names, meta.site_validation)
+            routed, guarded = (apply_guard(chosen, decisions) if decisions is not None
+                               else (chosen, np.zeros(n, dtype=bool)))
+            reasons = routing_reasons(chosen, routed, probs, threshold, meta.model_names, decisions,
+                                      forced=force_model is not None, argmax=meta.routing == "argmax")
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))
@@ -286,6 +316,8 @@ class SuperModelPredictor:
             routed=routed,
             probabilities=probs,
             confidence=confidence(probs).astype(np.float32),
+            reasons=reasons,
+            guarded=guarded,
         )
 
     @staticmethod

@@ -266,6 +266,7 @@ def _records(prediction: Prediction, model_names: list[str], prob_names: list[st
                 confidence=float(prediction.confidence[i]),
                 probabilities={name: float(p) for name, p in zip(prob_names, probs, strict=True)},
                 runner_up=prob_names[int(order[1])] if len(order) > 1 else None,
+                reason=prediction.reasons[i] if i < len(prediction.reasons) else "",
             )
         )
     return tuple(records)
@@ -300,7 +301,7 @@ def segment_with(
     else:
         # (Z, L, X, Y) -> (L, Z, X, Y) -> (Z, X, Y) -> (X, Y, Z)
         label = slices_to_volume(masks_to_label_map(task, prediction.masks.transpose(1, 0, 2, 3)))
-    prob_names = model_names if meta.routing == "argmax" else list(meta.site_names)
+    prob_names = model_names if meta.routing in ("argmax", "none") else list(meta.site_names)
     return StudySegmentation(
         labels=LabelMap(array=label, names=label_names(task)),
         records=_records(prediction, model_names, prob_names),

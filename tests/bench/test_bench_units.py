@@ -79,6 +79,7 @@ def test_bench_simulation_trains_softpull_with_lam_below_one_over_k(tmp_path):
     state = method.initial_state()
     ones = {k: torch.ones_like(v) if v.dtype.is_floating_point else v for k, v in state["global"].items()}
     updates = {f"s{k}": SiteUpdate({"global": state["global"], "selector": state["selector"],
+                                    "selector_optim": state["selector_optim"],
                                     "personal": {n: v * k if v.dtype.is_floating_point else v
                                                  for n, v in ones.items()}}, 2) for k in range(3)}
     new = method.aggregate(state, 1, updates)
@@ -215,7 +216,7 @@ def test_docs_refused_for_a_preset_other_than_cpu_small_or_paper(tmp_path, monke
     assert rc == 2
     assert "--force-docs" in err and "--out" in err and "tiny" in err
     assert (docs / "results.md").read_text() == "published\n" and not out.exists()
-    assert set(bench_command.DOCS_PRESETS) == {"cpu-small", "paper"}
+    assert set(bench_command.DOCS_PRESETS) == {"cpu-small", "cpu-converged", "paper"}
 
 
 def test_reading_of_another_preset_is_not_kept(tmp_path):

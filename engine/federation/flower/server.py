@@ -33,6 +33,7 @@ from engine.federation.checkpoint import Checkpoint
 from engine.federation.config import FederationConfig, is_loopback
 from engine.federation.events import EventWriter
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.federation.preflight import round_banner
 from engine.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,16 @@ def _security_inputs(cfg: FederationConfig, insecure: bool) -> dict[str, bytes]:
     return {s: keys[s] for s in cfg.sites}
 
 
+def _check_ports(cfg: FederationConfig) -> None:
+    """One clear line when the Fleet address or the fixed SuperLink port is taken (see engine.federation.preflight)."""
+    from engine.federation.preflight import check_port_free
+
+    check_port_free(cfg.host, cfg.port, "the coordinator's address", f"{cfg.path} [federation] address")
+    if cfg.superlink_port:
+        check_port_free("127.0.0.1", cfg.superlink_port, "the SuperLink's loopback port",
+                        f"{cfg.path} [federation] superlink_port")
+
+
 def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[str]:
     args = ["--host", "127.0.0.1", "--port", str(port), "--isolation", "process",
             "--disable-runtime-dependency-installation"]
@@ -124,12 +135,12 @@ def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str 
 def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], history: list[dict[str, Any]],
                   session: str, app_hash: str) -> dict[str, Any]:
     """Write the trained models and ``summary.json``; return the summary."""
-    from engine.federation.checkpoint import save_weightset
 
     spec = cfg.spec
     files: dict[str, str] = {}
     if spec.method in ("fedsm", "fedsm-extra"):
         from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+        from engine.inference.guard import site_validation_from_state
         from engine.tasks import get_task
 
         task = get_task(spec.task)
@@ -139,14 +150,24 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
             gamma=float(spec.gamma), rounds=method.total_rounds, val_dice={s: None for s in spec.site_names},
+            site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
+            routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server"})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
         files["supermodel"] = "supermodel.safetensors"
     elif "global" in state:
-        save_weightset(cfg.work_dir / "global.safetensors", {"global": state["global"]},
-                       {"format": "fedsm-global-model", "method": spec.method, "session": session})
+        # a single-model bundle, so fedsm infer / evaluate and the desktop app open it like a super model
+        from engine.bundle import save_bundle
+        from engine.bundle.single import single_model_bundle
+
+        bundle = single_model_bundle(spec.task, spec.method, state["global"], list(spec.site_names),
+                                     spec.image_size, rounds=method.total_rounds,
+                                     val_dice={s: None for s in spec.site_names},
+                                     extra={"seed": spec.seed, "session": session, "app_hash": app_hash,
+                                            "trained_by": "fedsm server"})
+        save_bundle(cfg.work_dir / "global.safetensors", bundle)
         files["global"] = "global.safetensors"
     summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
                "rounds": history, "files": files}
@@ -198,10 +219,11 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     keys = _security_inputs(cfg, insecure)
+    _check_ports(cfg)
     app = build_app_bundle()
     checkpoint, session = _prepare_resume(cfg, resume, app.hash, events)
     method = build_method(cfg.spec)
-    events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {method.total_rounds} rounds; "
+    events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {round_banner(method)}; "
                   f"app {app.hash}")
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"

@@ -31,6 +31,7 @@ from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
 from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.federation.preflight import CoordinatorWatch
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +300,22 @@ def check_insecure_allowed(cfg: SiteConfig, insecure: bool) -> None:
                           "docs/federation.md), or use a coordinator on 127.0.0.1")
 
 
+#: A ``--once`` site exits when its coordinator, once seen, refuses connections this long.
+ONCE_GRACE_S = 30.0
+
+
+def _preflight(cfg: SiteConfig, insecure: bool) -> None:
+    """Datalist, certificates and the fixed runtime port checked before joining (engine.federation.preflight)."""
+    from engine.federation.preflight import check_port_free, check_site_certificates, check_site_datalist
+
+    check_site_datalist(cfg.datalist, cfg.task, str(cfg.path))
+    if not insecure:
+        check_site_certificates(cfg.ca_cert, cfg.private_key, str(cfg.path))
+    if cfg.runtime_port:
+        check_port_free("127.0.0.1", cfg.runtime_port, "the site's loopback runtime port",
+                        f"{cfg.path} [site] runtime_port")
+
+
 def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, once: bool = False,
              validate: bool = True, stop: Callable[[], bool] | None = None) -> int:
     """Join the federation and serve rounds until stopped (or, with ``once``, until the run finishes).
@@ -313,6 +330,7 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_insecure_allowed(cfg, insecure)
     check_site_files(cfg, secure=not insecure)
+    _preflight(cfg, insecure)
     if not cfg.approved_apps:
         events.status("approved_apps in site.toml is empty: this site will refuse every app; add the hash the "
                       "coordinator announces (fedsm certs app-hash shows this installation's)")
@@ -330,6 +348,7 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     executor.insecure = insecure
     events.status(f"site {cfg.name} connecting to {cfg.coordinator}" + (" (INSECURE: no TLS, no site key)"
                                                                          if insecure else ""))
+    watch = CoordinatorWatch(cfg.coordinator, str(cfg.path), grace=ONCE_GRACE_S) if once else None
     supervisor.start()
     try:
         supervisor.wait_ready()
@@ -338,6 +357,10 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
             while not stopping():
                 token = executor.acquire(client)
                 if token is None:
+                    if watch is not None and watch.gone():
+                        events.status(f"the coordinator at {cfg.coordinator} has stopped accepting connections for "
+                                      f"{watch.grace:g} s; its run is over or gone, so this --once site exits")
+                        break
                     time.sleep(cfg.poll_interval)
                     continue
                 forwarded = supervisor.sent_count
