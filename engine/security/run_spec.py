@@ -87,6 +87,8 @@ class SiteBounds:
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),
                                   ("batch_size", self.min_batch_size, False)):
             value = spec.get(key)
+            if value is None and key == "selector_lr":
+                continue  # not set: the method's own default, which FedSM keeps within any sensible bound
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 out.append(f"{key} = {value!r} is not a number")
             elif (value > bound) if above else (value < bound):

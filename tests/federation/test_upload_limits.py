@@ -98,9 +98,14 @@ def test_the_coordinators_reply_limit_follows_the_method():
 
     spec = MethodSpec(method="fedsm", task="fundus", site_names=("s1", "s2"), rounds=1, image_size=32)
     method = build_method(spec, "cpu")
-    limit = reply_limit_for(method, method.initial_state(), spec.site_names)
-    # global + personal U-Net (~6.5 MB each) and the VGG-11 selector (~37.5 MB): ~50 MB doubled, plus 16 MiB
-    assert 100 * 2**20 < limit < 150 * 2**20 and limit >= MIN_REPLY_LIMIT
+    from engine.fl.weights import payload_bytes
+
+    state = method.initial_state()
+    limit = reply_limit_for(method, state, spec.site_names)
+    # every part a FedSM site sends (U-Nets, VGG-11 selector and, with the reference-trained
+    # selector, its optimizer state), doubled, plus 16 MiB
+    largest = sum(payload_bytes(w) for w in method.expected_update_shapes(state, "s1").values())
+    assert largest > 40 * 10**6 and limit == max(2 * largest + 16 * 2**20, MIN_REPLY_LIMIT)
     assert limit < 600 * 10**6  # the 600 MB upload of issue 16 is refused
 
 
