@@ -3,10 +3,10 @@
 # Prepare: five synthetic sites with the real ClientApp over FakeGrid (messages serialised as on
 #          the wire); the round-1 answers of site2..site5 are altered after their honest training
 #          (x1e6 update, 10^12 samples, a [2^32, 2^32] layout, a stats-only FedSM reply).
-# Execute: a FedSM run (one training round + calibration).
-# Assert: each altered site is left out of round 1 with an error event, the round completes with
-#         site1, the coordinator does not raise, and the final state equals the run in which the
-#         four sites simply did not answer that round (so every Dice is unchanged).
+# Execute: round 1 of a FedSM run.
+# Assert: each altered site is left out with an error event, the round completes with site1, the
+#         coordinator does not raise, and the new state equals the aggregate of site1's honest
+#         update alone (the round as if the four had not answered: every Dice unchanged).
 """
 
 from __future__ import annotations
@@ -68,28 +68,9 @@ def _spec5():
                       selector_lr=1e-4)
 
 
-def _run(datalists, tmp_path, events, modified=True):
-    workers = workers_for(datalists, tmp_path)
-    name = {node: w.cfg.name for node, w in workers.items()}
-    grid = FakeGrid(workers, tamper=(lambda node, r: _alter(ATTACKS[name[node]])(r) if name[node] in ATTACKS else r)
-                    if modified else None)
-    if not modified:  # the reference: the four sites do not answer round 1 at all
-        grid.silent = {node for node in workers if name[node] in ATTACKS}
-        original = grid.push_messages
-
-        def push(messages):
-            ids = original(messages)
-            grid.silent = set()  # they answer again from round 2 (calibration) on
-            return ids
-
-        grid.push_messages = push
-    directory = RegisteredSites({w.cfg.name: node for node, w in workers.items()})
-    s = _spec5()
-    run = FederationRunner(build_method(s, "cpu"), s, RoundSettings(min_sites=1, round_timeout=2.0, start_timeout=2.0,
-                                                                    round_attempts=1, poll_interval=0.01),
-                           directory, EventWriter("server", listener=events.append), tmp_path / "ckpt.safetensors",
-                           "session1", "sha256:" + "0" * 64)
-    return run.run(grid)
+class _NoWriter:
+    def submit(self, checkpoint, path):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -102,23 +83,39 @@ def datalists(tmp_path_factory):
 @pytest.mark.slow
 def test_modified_sites_are_left_out_and_the_round_completes(datalists, tmp_path):
     events: list[dict] = []
-    state = _run(datalists, tmp_path / "attacked", events)  # never raises: the coordinator goes on
-    first = next(e for e in events if e["event"] == "round_end" and e["round"] == 1)
-    assert first["answered"] == ["site1"], first
+    workers = workers_for(datalists, tmp_path)
+    name = {node: w.cfg.name for node, w in workers.items()}
+    grid = FakeGrid(workers, tamper=lambda node, r: _alter(ATTACKS[name[node]])(r) if name[node] in ATTACKS else r)
+    s = _spec5()
+    method = build_method(s, "cpu")
+    run = FederationRunner(method, s, RoundSettings(min_sites=1, round_timeout=2.0, start_timeout=2.0,
+                                                    round_attempts=1, poll_interval=0.01),
+                           RegisteredSites({w.cfg.name: node for node, w in workers.items()}),
+                           EventWriter("server", listener=events.append), tmp_path / "ckpt.safetensors",
+                           "session1", "sha256:" + "0" * 64)
+    initial = method.initial_state()
+    state = run._round(grid, initial, 1, _NoWriter())  # never raises: the coordinator goes on
+    end = next(e for e in events if e["event"] == "round_end" and e["round"] == 1)
+    assert end["answered"] == ["site1"], end
     for site, kind in ATTACKS.items():
-        assert REASONS[kind] in first["left_out"][site], (site, first["left_out"])
+        assert REASONS[kind] in end["left_out"][site], (site, end["left_out"])
         assert any(e["event"] == "error" and e["site"] == site and REASONS[kind] in e["message"] for e in events)
-    last = [e for e in events if e["event"] == "round_end"][-1]
-    assert last["answered"] == list(SITES5)  # back, honest, in the calibration round
-    # the same state as when the four sites simply did not answer round 1: every Dice unchanged
-    reference = _run(datalists, tmp_path / "reference", [], modified=False)
-    assert_same_state(state, reference)
+    # exactly the round as if the four sites had not answered: site1's honest update alone
+    honest = next(r for r in grid.sent if r.content["fedsm"]["site"] == "site1")
+    expected = method.aggregate(initial, 1, {"site1": records.decode_update(honest.content, "site1", 1)})
+    assert_same_state(state, expected)
     from engine.data.site_data import load_site
     from engine.tasks import get_task
 
     task = get_task("fundus")
     val = load_site(datalists[0], task, 32, name="site1").validation
-    assert abs(_dice(task, state["global"], val) - _dice(task, reference["global"], val)) <= 0.01
+    assert abs(_dice(task, state["global"], val) - _dice(task, expected["global"], val)) <= 0.01
+    # unprotected, the x1e6 update alone would have ruined the global model
+    scaled = next(r for r in grid.sent if r.content["fedsm"]["site"] == "site2")
+    ruined = method.aggregate(initial, 1, {"site1": records.decode_update(honest.content, "site1", 1),
+                                           "site2": records.decode_update(scaled.content, "site2", 1)})
+    assert torch.linalg.vector_norm(ruined["global"][next(iter(ruined["global"]))]) > 1e3 * torch.linalg.vector_norm(
+        expected["global"][next(iter(expected["global"]))])
 
 
 def _dice(task, weights, split):
