@@ -203,5 +203,6 @@ def check_anonymous_uploads_are_bounded(pid: int, fleet_port: int, ca: Path) -> 
     again = _rss_mib(pid)
     print(f"SuperLink RSS MiB: before {before:.0f}, after 16x60MB {peak_large:.0f}, after 16x7.9MB {after:.0f}, "
           f"after 32 more {again:.0f}; codes {sorted(set(small))}")
-    assert large == [401] * 16 and small == [401] * 48  # not signed by an enrolled site: refused from the headers
+    assert large == [413] * 16  # above the 8 MiB per-request limit: refused from the declared length
+    assert small == [401] * 48  # not signed by an enrolled site: refused from the headers
     assert max(peak_large, after, again) - before < 50, (before, peak_large, after, again)  # issue 16: +950 MB

@@ -43,6 +43,9 @@ from engine.federation.flower.upload_limits import MAX_INFLIGHT, InflightBudget,
 FLEET_PREFIX = "/v1/fleet/"
 #: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41, plus framing (upload_limits).
 MAX_BODY = UPLOAD_MAX_BODY
+#: Bodies above this size are read only after the request's headers authenticate an enrolled site
+#: (fleet_auth); smaller ones (every request but weight uploads) go to Flower, which checks the same.
+AUTH_ABOVE = 64 * 1024
 
 
 class FleetOnly:
@@ -65,8 +68,9 @@ class FleetOnly:
     max_reply_bytes
         Largest reply a site may upload (413 beyond; :class:`.upload_limits.ReplyBytes`).
     auth
-        :class:`.fleet_auth.HeaderAuth`: a request not signed by an enrolled site is answered
-        401 before its body is read (``None``: insecure mode, no check).
+        :class:`.fleet_auth.HeaderAuth`: a request with a body above :data:`AUTH_ABOVE` not
+        signed by an enrolled site is answered 401 before its body is read (``None``: insecure
+        mode, no check).
     """
 
     def __init__(self, app: App, max_body: int = MAX_BODY,
@@ -89,15 +93,16 @@ class FleetOnly:
         if scope["method"] != "POST" or not scope["path"].startswith(FLEET_PREFIX):
             await _answer(send, 404, b"not found\n")
             return
-        if self.auth is not None and not self.auth.allowed(scope):
-            await _answer(send, 401, b"Invalid SuperNode authentication\n")
-            return
         length = _content_length(scope)
         if length is None:
             await _answer(send, 411, b"a fleet request must state its Content-Length\n")
             return
         if length > self.max_body:
             await _answer(send, 413, b"request body too large\n")
+            return
+        # a body worth holding only from an enrolled site (small ones are left to Flower's own check)
+        if self.auth is not None and length > AUTH_ABOVE and not self.auth.allowed(scope):
+            await _answer(send, 401, b"Invalid SuperNode authentication\n")
             return
         if not self.inflight.take(length):  # too many bytes on their way in at once: come back later
             await _answer(send, 503, b"busy, retry later\n")
