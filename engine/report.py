@@ -11,6 +11,7 @@ from engine.tasks import TaskSpec
 METHOD_TITLES = {
     "centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
     "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
+    "blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2", "split-whitebox": "White-box split",
 }
 
 
@@ -32,16 +33,48 @@ def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str,
             "sent_per_site_round": sum(v["sent_mean"] for v in b.values()) / len(b),
         }
     if "fedsm" in out:
-        extra = 4 * (head_parameter_count("classic", num_sites) - head_parameter_count(cfg.selector_head, num_sites))
+        # the reference selector ships its Adam moments with it: the head counts three times
+        copies = 1 if getattr(cfg, "selector_calibration", "none") == "lda" else 3
+        extra = 4 * copies * (head_parameter_count("classic", num_sites)
+                              - head_parameter_count(cfg.selector_head, num_sites))
         if cfg.selector_head == "classic":
             extra = 0
         out["fedsm_classic_selector_head"] = {
             "received_per_site_round": out["fedsm"]["received_per_site_round"] + extra,
             "sent_per_site_round": out["fedsm"]["sent_per_site_round"] + extra,
-            "note": "FedSM payload with VGG-11's 25088-4096-4096 head instead of the pooled head; "
-                    "the reference implementation also ships the selector's Adam moments (x3)",
+            "note": "FedSM payload with VGG-11's 25088-4096-4096 head instead of the pooled head "
+                    "(with the reference selector, its Adam moments too: x3)",
         }
     return out
+
+
+def _selector_lines(sel: dict[str, Any]) -> list[str]:
+    """The selector and routing-guard analysis (:mod:`engine.selector_report`) as Markdown."""
+    unseen = sel.get("unseen_site")
+    lines = ["", f"### Selector ({sel.get('calibration', 'none')} calibration)"
+             + (f", {unseen} held out as unseen" if unseen else ""), "",
+             f"Expected calibration error on participating sites' test images {_fmt(sel['ece']['participating'])} "
+             f"(accuracy {_fmt(sel['ece']['accuracy'])}); median confidence seen "
+             f"{_fmt(sel['confidence']['seen'].get('quantiles', {}).get('median'))}"
+             + (f", unseen {_fmt(sel['confidence']['unseen'].get('quantiles', {}).get('median'))}"
+                if "unseen" in sel["confidence"] else "") + ".", "",
+             "| gamma | seen to global | seen to own site | seen to other site | unseen to global |",
+             "|---|---|---|---|---|"]
+    for row in sel["routing_per_gamma"]:
+        seen = row["seen"]
+        lines.append(f"| {row['gamma']:.2f} | {seen['global']:.2f} | {seen['own_site']:.2f} | "
+                     f"{seen['other_site']:.2f} | {_fmt(row['unseen']['global']) if 'unseen' in row else '-'} |")
+    dice = sel["dice"]
+    lines += ["", f"| mean Dice at gamma {dice['gamma']:.2f} | guard on | guard off | global alone |",
+              "|---|---|---|---|"]
+    for where in ("participating", "unseen"):
+        if dice.get(where):
+            d = dice[where]
+            lines.append(f"| {where} | {_fmt(d['guard_on'])} | {_fmt(d['guard_off'])} | {_fmt(d['global_only'])} |")
+    allowed = [s for s, g in sel.get("guard", {}).items() if g["personal_allowed"]]
+    lines += ["", "Routing guard: personalized models allowed for "
+              + (", ".join(allowed) if allowed else "no site") + "."]
+    return lines
 
 
 def _fmt(x: float | None) -> str:
@@ -103,6 +136,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Components (client average, mean Dice): global model alone "
                       f"{_fmt(comp['global_only']['client_average']['mean'])}, each site's personalized model on "
                       f"its own site {_fmt(comp['personal_oracle']['client_average']['mean'])}."]
+        if "selector" in extra:
+            lines += _selector_lines(extra["selector"])
+    lines += _local_ood_lines(report, sites)
     lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:
@@ -123,6 +159,22 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
+
+
+def _local_ood_lines(report: dict[str, Any], sites: list[str]) -> list[str]:
+    """Per-site local / OOD Dice of the methods that report it (dialogue methods such as BlackFed)."""
+    rows = {n: r["extra"]["local_ood"] for n, r in report["methods"].items() if r.get("extra", {}).get("local_ood")}
+    if not rows:
+        return []
+    lines = ["", "## Local and out-of-distribution Dice", "",
+             "Each site's model (its client net with its server net) on its own test set (local) and "
+             "on the other sites' test sets (OOD, mean).", "",
+             "| method | " + " | ".join(f"{s} local | {s} OOD" for s in sites) + " |",
+             "|---" * (2 * len(sites) + 1) + "|"]
+    for name, per_site in rows.items():
+        cells = [f"{_fmt(per_site[s]['local'])} | {_fmt(per_site[s]['ood'])}" for s in sites]
+        lines.append(f"| {METHOD_TITLES.get(name, name)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:

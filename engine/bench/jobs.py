@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
 
 #: Analyses, in the order the runner does them (``tune``: :mod:`engine.bench.tuning`).
-ANALYSES = ("tune", "main", "lam", "unseen", "personalization")
+ANALYSES = ("tune", "main", "lam", "unseen", "personalization", "blackfed")
 
 
 def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
@@ -85,6 +85,11 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
         settings["softpull_lam"] = sweep_lam(lam_of(key.method))
     if key.analysis == "unseen":
         settings["unseen_site"] = preset.unseen_site
+    if key.analysis == "blackfed":
+        from engine.fl.blackfed import BlackFedConfig
+
+        settings["blackfed"] = asdict(BlackFedConfig())
+        settings["keep_best"] = False
     if key.analysis == "personalization":
         from engine.fl.personalization import PersonalizationConfig
 
@@ -149,12 +154,14 @@ class BenchSimulation(Simulation):
 
         kind = name.removeprefix("fedsm-")
         if kind in PERSONALIZATIONS:
-            return FedSMPersonalized(self.task, [s.name for s in self.sites], self.cfg.training(), self.cfg.seed,
+            return FedSMPersonalized(self.task, [s.name for s in self.sites],
+                                     self.cfg.training(per_batch_selector=True), self.cfg.seed,
                                      self.cfg.rounds, personalization=kind, gamma=self.cfg.gamma)
         if name == "fedsm" and self.softpull_lam is not None:
             names = [s.name for s in self.sites]
             method = FedSM(self.task, names, self.cfg.training(), self.cfg.seed, self.cfg.rounds,
-                           lam=effective_lam(self.softpull_lam, len(names)), gamma=self.cfg.gamma)
+                           lam=effective_lam(self.softpull_lam, len(names)), gamma=self.cfg.gamma,
+                           selector_calibration=self.cfg.selector_calibration)
             method.lam = self.softpull_lam
             return method
         return super()._build_method(name)
@@ -312,6 +319,16 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
         return out
     if key.analysis == "personalization":
         out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False, lr=lr)
+        return out
+    if key.analysis == "blackfed":
+        from dataclasses import replace
+
+        from engine.bench.split_table import split_compute
+
+        # every method at its last round: BlackFed has no best-round selection
+        fair = replace(ctx, preset=replace(ctx.preset, keep_best=False))
+        out, _, _ = _train(fair, ctx.sites, key.method, key.seed, curves=False)
+        out["compute"] = split_compute(task, ctx.tp.image_size)
         return out
     from engine.errors import ConfigError
 

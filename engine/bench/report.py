@@ -22,6 +22,7 @@ from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
 from engine.bench.presets import BenchPreset
 from engine.bench.runner import ALL_TASKS, machine_label, plan_jobs
+from engine.bench.split_table import split_section
 from engine.io.atomic import write_text_atomic
 from engine.tasks import get_task
 
@@ -489,7 +490,8 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         f"{', '.join(map(str, preset.analysis_seeds))}; data seed {preset.data_seed} (the same synthetic data for "
         "every training seed; the seed changes initialisation and batch order).",
         f"- Training: {preset.epochs} local epoch(s) per round, batch {preset.batch_size}, Adam lr {preset.lr}, "
-        f"selector lr {preset.selector_lr} on {preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
+        f"selector lr {preset.selector_lr or 'default (1e-3 reference scheme, 1e-5 per-batch)'} on "
+        f"{preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
         f"{preset.prox_mu}; U-Net lr schedule {preset.lr_schedule}"
         + (f" (down to {preset.lr_min_ratio} x lr)" if preset.lr_schedule == "cosine" else "")
         + f", loss {preset.loss}; "
@@ -522,6 +524,8 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
     lines += ["## Analyses"]
     for tp in preset.tasks:
         lines += _analysis_sections(results, preset, tp.task, img, docs)
+    for tp in preset.tasks:
+        lines += split_section(results, preset, tp.task)
     lines += _perf_section(results, docs)
     lines += ["", *_time_section(results, preset)]
     lines += ["", "## Configuration", "", "```json", json.dumps(preset.to_json(), indent=1), "```", ""]

@@ -13,7 +13,7 @@ The compute device is not part of it: each site chooses its own in ``site.toml``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine.errors import ConfigError
@@ -39,12 +39,19 @@ class MethodSpec:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-5
+    selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
     lr_schedule: str = "constant"
     lr_min_ratio: float = 0.01
     loss: str = "dice"
+    selector_calibration: str = "none"
+    selector_warmup: int = 0
+    selector_epochs: int = 1
+    routing_guard: bool = True
+    #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
+    #: ``[training]`` they are written as top-level keys with that prefix.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
@@ -52,9 +59,11 @@ class MethodSpec:
         from engine.tasks import get_task
 
         get_task(self.task)
-        if self.method not in FEDERATION_METHODS:
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        if self.method not in FEDERATION_METHODS and self.method not in EXCHANGE_METHODS:
             raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
-                              f"{', '.join(FEDERATION_METHODS)}")
+                              f"{', '.join([*FEDERATION_METHODS, *EXCHANGE_METHODS])}")
         names = tuple(self.site_names)
         for name in names:
             check_site_name(name)
@@ -66,6 +75,11 @@ class MethodSpec:
         for name in ("rounds", "epochs", "batch_size", "image_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from engine.fl.selector_training import check_calibration
+
+        check_calibration(self.selector_calibration)
+        if not isinstance(self.routing_guard, bool):
+            raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
         if self.selector_head not in ("gap", "classic"):
             raise ConfigError(f"selector_head must be 'gap' or 'classic', got {self.selector_head!r}")
         # the same defaults as `fedsm simulate`: the paper's lam, raised to 1/K for few sites
@@ -100,6 +114,11 @@ class MethodSpec:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MethodSpec:
         known = {f.name for f in fields(cls)}
+        family = str(raw.get("method", "")).split("-")[0] + "_"
+        options = {k: raw[k] for k in raw if k.startswith(family) and k not in known}
+        raw = {k: v for k, v in raw.items() if k not in options}
+        if options:
+            raw["options"] = {**dict(raw.get("options") or {}), **options}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown training setting(s) {unknown}; known: {sorted(known)}")
@@ -116,7 +135,7 @@ class MethodSpec:
     def total_rounds(self) -> int:
         """Communication rounds the method runs (FedSM adds a calibration round, FedSM-extra more)."""
         if self.method == "fedsm":
-            return self.rounds + 1
+            return int(self.selector_warmup) + self.rounds + 1
         if self.method == "fedsm-extra":
             return self.rounds + int(self.extra_rounds or 0) + 1
         return self.rounds
@@ -129,18 +148,27 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
     from engine.fl import methods as m
     from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
+    from engine.fl.selector_training import default_selector_lr
     from engine.tasks import get_task
 
     task = get_task(spec.task)
     names = list(spec.site_names)
+    if spec.method in EXCHANGE_METHODS:
+        settings = {k: v for k, v in asdict(spec).items() if k != "options"} | dict(spec.options) | {"device": device}
+        return build_exchange_method(spec.method, task, names, settings)
+    # FedSM-extra keeps the per-batch selector (and its small lr); FedSM's depends on the calibration
+    scheme = "lda" if spec.method == "fedsm-extra" else spec.selector_calibration
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
-                                   selector_lr=spec.selector_lr, selector_size=spec.selector_size,
+                                   selector_lr=default_selector_lr(scheme, spec.selector_lr),
+                                   selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
                                    selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
     if spec.method == "fedsm":
-        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma)
+        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma,
+                       selector_calibration=spec.selector_calibration, selector_warmup=int(spec.selector_warmup))
     if spec.method == "fedsm-extra":
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                             gamma=spec.gamma, extra_rounds=int(spec.extra_rounds or 1))

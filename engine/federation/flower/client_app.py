@@ -125,7 +125,7 @@ class SiteWorker:
         self.events.emit("round_start", round=rnd, rounds=total, method=ins.method)
         data = self.data(spec.task, spec.image_size)
         runtime = SiteRuntime(self.cfg.name, spec.site_names.index(self.cfg.name), data.train,
-                              load_site_state_before(self.state_dir, ins.session, rnd))
+                              load_site_state_before(self.state_dir, ins.session, rnd), validation=data.validation)
 
         def progress(event: dict[str, Any]) -> None:
             if event.get("event") == "batch":
@@ -220,6 +220,12 @@ def build_client_app(worker: SiteWorker) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         return Message(worker.train(msg.content), reply_to=msg)
+
+    @app.train("exchange")
+    def exchange(msg: Message, context: Context) -> Message:
+        from engine.federation.flower.dialogue import answer_exchange
+
+        return Message(answer_exchange(worker, msg.content), reply_to=msg)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:
