@@ -15,9 +15,10 @@ Alternatives and hyper-parameters (:class:`PersonalizationConfig`):
     Each site keeps a private model ``v`` and a mixing weight ``alpha`` (init ``apfl_alpha``).
     Per batch: the site's copy of the global model ``w`` takes its FedAvg step; ``v`` takes a
     step with the gradient of the loss at the mixture ``vbar = alpha v + (1 - alpha) w``
-    (``grad_v = alpha grad f(vbar)``) with *plain SGD* at ``apfl_v_lr`` (``apfl_v_optimizer``), as
-    in the paper: Adam divides every step by the running gradient scale and so cancels the
-    ``alpha`` factor that makes ``v`` learn more slowly when the mixture leans on ``w``;
+    (``grad_v = alpha grad f(vbar)``) with *plain SGD* at ``apfl_v_lr`` (``apfl_v_optimizer``; 3.0,
+    the best of 0.1 / 1 / 3 on validation: Dice-loss gradients of a U-Net are small), as in the
+    paper: Adam divides every step by the running gradient scale and so cancels the ``alpha``
+    factor that makes ``v`` learn more slowly when the mixture leans on ``w``;
     ``alpha <- clip(alpha - alpha_lr <v - w, grad f(vbar)>, 0, 1)`` (plain gradient step, as in
     the paper). The personalized model is the final mixture ``alpha v + (1 - alpha) w_global``.
 ``perfedavg``  Per-FedAvg, Fallah et al. 2020, first-order version (FO-MAML)
@@ -76,7 +77,9 @@ class PersonalizationConfig:
     apfl_alpha: float = 0.5
     apfl_alpha_lr: float = 0.01
     apfl_v_optimizer: str = "sgd"
-    apfl_v_lr: float = 0.1
+    #: Measured (fundus, 6 sites, 64 px, 8 rounds, seed 0; validation Dice of the personalized
+    #: mixtures): SGD 0.1 -> 0.264, 1.0 -> 0.412, 3.0 -> 0.499; Adam 0.487; global model 0.474.
+    apfl_v_lr: float = 3.0
     inner_lr: float = 0.01
     adapt_steps: int = 1
     pfedme_lam: float = 15.0
