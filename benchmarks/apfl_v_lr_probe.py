@@ -44,7 +44,7 @@ def main() -> None:
     runtimes = [SiteRuntime(s.name, i, s.train) for i, s in enumerate(sites)]
     state, records = run_rounds(method, runtimes, method.total_rounds)
 
-    def val(weights_for) -> float:  # noqa: ANN001
+    def val(weights_for) -> float:
         return float(np.mean([dice_per_case(segment_with(FUNDUS, weights_for(s), s.validation.images, "cpu"),
                                             s.validation.masks, s.validation.case_ids).mean() for s in sites]))
 
