@@ -20,6 +20,7 @@ from engine.errors import (
 )
 
 if TYPE_CHECKING:  # types only: importing them at run time would pull in numpy-heavy modules
+    from engine.inference.cup_disc import CupToDisc
     from engine.inference.study import StudySegmentation
     from engine.io.provenance import Provenance
     from engine.io.study import LabelMap, SeriesInfo, Study
@@ -36,6 +37,7 @@ __all__ = [
     "WeightsError",
     "app_hash",
     "benchmark",
+    "cup_to_disc_ratio",
     "demo_site_command",
     "describe_device",
     "export_mask",
@@ -89,9 +91,17 @@ def open_study(path: Path, series_uid: str | None = None, progress: ProgressFn |
 
 
 def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelMap:
-    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG)."""
+    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG).
+
+    ``convention="auto"`` takes the convention the file name identifies (a Drishti-GS soft map
+    opens as one binarised disc/cup map with its partner file), else the values as stored.
+    """
     from engine.io.masks import open_mask as open_labels
 
+    if convention == "auto":
+        from engine.data.label_conventions import convention_from_name
+
+        convention = convention_from_name(path)
     return open_labels(Path(path), study, convention)
 
 
@@ -211,6 +221,16 @@ def segment_study(model: Path, study: Study, gamma: float | None = None, device:
 
     return segment(Path(model), study, gamma=gamma, device=device, force_model=force_model,
                    batch_size=batch_size, progress=progress, cancel=cancel)
+
+
+def cup_to_disc_ratio(labels: Any, names: dict[int, str]) -> CupToDisc | None:
+    """Vertical cup-to-disc ratio of a fundus label map on cleaned masks, with whether to trust it.
+
+    See :func:`engine.inference.cup_disc.vertical_cup_to_disc`; ``None`` when ``labels`` holds no disc.
+    """
+    from engine.inference.cup_disc import vertical_cup_to_disc
+
+    return vertical_cup_to_disc(labels, names)
 
 
 def export_mask(study: Study, labels: LabelMap, out_path: Path, provenance: Provenance | None = None) -> Path:

@@ -73,9 +73,10 @@ class SimulationConfig:
     selector_calibration: str = "none"
     selector_warmup: int = 0
     selector_epochs: int = 1
-    selector_bn: str = "running"
+    selector_bn: str = "batch"
     routing_guard: bool = True
     holdout_site: str | None = None
+    slices: int | None = None
 
     def __post_init__(self) -> None:
         get_task(self.task)
@@ -125,13 +126,14 @@ class SimulationConfig:
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
     """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
-    from engine.data.synth import existing_federation, generate_federation
+    from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 
     if cfg.datalists:
         log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
         return [Path(p) for p in cfg.datalists]
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
-    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
+    slices = cfg.slices or DEFAULT_SLICES
+    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed, slices=slices)
     if found is not None:
         log.info("reusing synthetic data in %s", data_dir)
         return found
@@ -139,7 +141,7 @@ def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | No
     if progress:
         progress({"event": "status", "message": f"generating synthetic {cfg.task} data in {data_dir}"})
     return generate_federation(cfg.task, cfg.sites, data_dir, image_size=cfg.image_size, seed=cfg.seed,
-                               progress=(lambda msg: log.info(msg)))
+                               progress=(lambda msg: log.info(msg)), slices=slices)
 
 
 def _label_means(dice: np.ndarray, labels: tuple[str, ...]) -> dict[str, float]:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import engine
 from engine import api
 from engine.errors import CancelledError, ConfigError, FedSMError
 
@@ -51,6 +52,7 @@ def parse_options(items: list[str]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsm", description="Federated super-model segmentation (FedSM).")
+    parser.add_argument("--version", action="version", version=f"fedsm {engine.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -86,12 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
     p.add_argument("--selector-epochs", type=int, default=1,
                    help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
-    p.add_argument("--selector-bn", choices=["running", "batch"], default="running",
-                   help="FedSM reference selector's BatchNorm during local training: running (federation) "
-                        "statistics, or each batch's as the reference's train mode (default running)")
+    p.add_argument("--selector-bn", choices=["running", "batch"], default="batch",
+                   help="FedSM reference selector's BatchNorm during local training: each batch's statistics "
+                        "as the reference's train mode (default), or the running (federation) statistics")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
+    p.add_argument("--slices", type=int, default=None,
+                   help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
                    help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
@@ -195,7 +199,7 @@ def _run(args: argparse.Namespace) -> int:
                     keep_best=args.keep_best,
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
-                    routing_guard=args.routing_guard, holdout_site=args.holdout_site,
+                    routing_guard=args.routing_guard, holdout_site=args.holdout_site, slices=args.slices,
                     device=args.device, data_dir=data_dir, datalists=datalists,
                     options=parse_options(args.options))
         finally:

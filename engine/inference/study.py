@@ -30,6 +30,7 @@ from engine.data.preprocess import (
 )
 from engine.errors import ConfigError, DataError
 from engine.inference.device import resolve_device
+from engine.inference.postprocess import clean_fundus_masks
 from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
 from engine.inference.routing import check_gamma
 from engine.io.provenance import ImageRecord, Provenance, utc_now
@@ -90,9 +91,13 @@ def load_predictor(bundle_path: PathLike, device: str = "auto") -> LoadedBundle:
     DeviceError, ConfigError
         When the device is unavailable or unknown.
     """
+    from engine.threads import use_free_cores
+
     path = Path(bundle_path)
     sha = _bundle_sha256(path)
     torch_device, _ = resolve_device(device)
+    if torch_device.type == "cpu":
+        use_free_cores()  # CPU inference on a shared machine: only the cores that are free
     key = (sha, str(torch_device))
     with _lock:
         predictor = _predictors.get(key)
@@ -305,7 +310,10 @@ def segment_with(
         progress=progress, cancel=cancel,
     )
     if study.kind == "photo":
-        label = masks_to_label_map(task, prediction.masks[0])
+        masks = prediction.masks[0]
+        if task.name == "fundus":
+            masks = clean_fundus_masks(masks)  # largest component, holes filled, cup inside the disc
+        label = masks_to_label_map(task, masks)
     else:
         # (Z, L, X, Y) -> (L, Z, X, Y) -> (Z, X, Y) -> (X, Y, Z)
         label = slices_to_volume(masks_to_label_map(task, prediction.masks.transpose(1, 0, 2, 3)))

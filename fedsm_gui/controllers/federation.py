@@ -39,7 +39,7 @@ _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 _STATUS_TEXT = {
     "idle": "Not joined", "starting": "Starting the site …", "connected": "Connected",
     "reconnecting": "Connection lost — reconnecting …", "disconnected": "Disconnected",
-    "finished": "Federation finished", "failed": "Site stopped with an error", "stopped": "Left the federation",
+    "finished": "Run finished", "failed": "Site stopped with an error", "stopped": "Left the federation",
 }
 
 
@@ -253,6 +253,7 @@ class FederationController:
     def leave(self) -> None:
         """Stop the site process: terminate, then kill when it does not exit in time."""
         if self.process.running:
+            self.state.note("Leave pressed: asking the site process to stop (killed if it has not exited in 5 s)")
             self.process.stop()
 
     # --- state -> view -------------------------------------------------------------------
@@ -266,7 +267,7 @@ class FederationController:
                 text += f" (reconnected {s.reconnects}×)"
             if s.error:
                 text += f" — {s.error}"
-            self.view.set_status(s.status, text, s.running)
+            self.view.set_status(s.status, text, s.running or self.process.running)
         if PROGRESS in parts or STATUS in parts:
             self.view.set_progress(s.round, s.rounds, s.batch, s.batches)
         if METRICS in parts:

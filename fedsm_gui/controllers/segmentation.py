@@ -13,7 +13,6 @@ from fedsm_gui.controllers.errors import is_cancelled, user_message
 from fedsm_gui.controllers.runners import TaskHandle, TaskRunner
 from fedsm_gui.controllers.study import progress_pair
 from fedsm_gui.models.display import Slicer
-from fedsm_gui.models.measurements import vertical_cup_to_disc
 from fedsm_gui.models.overlay import MODEL_LAYER, REFERENCE_LAYER, OverlayState
 from fedsm_gui.models.segmentation import DONE, NO_MODEL, RUNNING, SegmentationState
 from fedsm_gui.models.viewer import ViewerState
@@ -104,7 +103,7 @@ class SegmentationController:
         values = []
         for key in (MODEL_LAYER, REFERENCE_LAYER):
             layer = self.overlays.layers.get(key)
-            values.append(vertical_cup_to_disc(layer.labels.array, layer.labels.names) if layer else None)
+            values.append(self.api.cup_to_disc_ratio(layer.labels.array, layer.labels.names) if layer else None)
         self.view.set_cup_to_disc(*values)
 
     def _study_changed(self) -> None:

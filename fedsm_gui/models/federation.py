@@ -151,6 +151,7 @@ class FederationState:
         self.log: deque[str] = deque(maxlen=MAX_LOG_LINES)
         self.log_total = 0  # lines ever logged, so a view can append only the new ones
         self.reconnects = 0
+        self.run_complete = False  # the site has sent its answer of the last round
 
     @property
     def running(self) -> bool:
@@ -174,6 +175,11 @@ class FederationState:
         self._log(f"starting: {' '.join(command)}")
         self.changed.emit({STATUS, PROGRESS, METRICS, LEDGER, LOG})
 
+    def note(self, text: str) -> None:
+        """Add an operator action to the log (e.g. Leave pressed)."""
+        self._log(text)
+        self.changed.emit({LOG})
+
     def process_ended(self, exit_code: int, stopped_by_user: bool) -> None:
         """The site process exited (on its own or because Leave was pressed)."""
         if stopped_by_user:
@@ -182,7 +188,7 @@ class FederationState:
         elif self.status == FINISHED:
             self._log(f"site process exited ({exit_code})")
         elif exit_code == 0:
-            self.status = FINISHED if self.round and self.round >= self.rounds else STOPPED
+            self.status = FINISHED if self.run_complete or (self.round and self.round >= self.rounds) else STOPPED
             self._log("site process exited")
         else:
             self.status = FAILED
@@ -217,7 +223,10 @@ class FederationState:
             self.status, self.coordinator = CONNECTED, str(event.get("coordinator", ""))
             parts.add(STATUS)
         elif kind == "disconnected":
-            self.status = RECONNECTING if event.get("reconnecting") else DISCONNECTED
+            if self.status != FINISHED and not self.run_complete:
+                self.status = RECONNECTING if event.get("reconnecting") else DISCONNECTED
+            else:  # the coordinator closes the connection once the last round is in: the run is over
+                self.status = FINISHED
             parts.add(STATUS)
         elif kind in ("round_start", "received", "round_end") and "round" in event:
             self.round = int(event["round"])
@@ -227,6 +236,8 @@ class FederationState:
                 self.batch, self.batches = 0, 0
             if kind == "round_end" and self.batches:
                 self.batch = self.batches
+            if kind == "round_end" and self.rounds and self.round >= self.rounds:
+                self.run_complete = True
             parts |= {STATUS, PROGRESS}
             if kind == "received":
                 self.ledger.append(LedgerEntry(self.round, "received", int(event.get("bytes", 0)),

@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
 )
 
 from fedsm_gui.models.federation import MAX_LOG_LINES, describe_contents, format_bytes
+from fedsm_gui.views.elided_label import ElidedLabel
 from fedsm_gui.views.plot import RoundPlot
 
 #: Form fields: (attribute, label, browse filter or None).
@@ -94,10 +95,8 @@ class FederationPanel(QWidget):
         form.insertRow(4, "Task", self.task)
         self.fields["app_hash"].setToolTip("SHA-256 of the federated app this site agreed to run; the site "
                                            "refuses any other code")
-        self.local_hash = QLabel("")
+        self.local_hash = ElidedLabel("")
         self.local_hash.setObjectName("local-app-hash")
-        self.local_hash.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.local_hash.setWordWrap(True)
         self.use_hash = QPushButton("This installation's app hash…")
         self.use_hash.setToolTip("Show the hash of the federated app this installation runs; compare it with the "
                                  "one the coordinator announces, then approve it")
