@@ -87,11 +87,22 @@ class SiteBounds:
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),
                                   ("batch_size", self.min_batch_size, False)):
             value = spec.get(key)
+            if key == "selector_lr" and value is None:
+                # None = the selector scheme's default: check the value that will be used
+                value = _default_selector_lr(spec)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 out.append(f"{key} = {value!r} is not a number")
             elif (value > bound) if above else (value < bound):
                 out.append(f"{key} = {value} is {'above max' if above else 'below min'}_{key} = {bound}")
         return out
+
+
+def _default_selector_lr(spec: Mapping[str, Any]) -> float:
+    """The selector learning rate a spec with ``selector_lr = None`` trains with."""
+    from engine.fl.selector_training import default_selector_lr
+
+    scheme = "lda" if spec.get("method") == "fedsm-extra" else str(spec.get("selector_calibration", "none"))
+    return float(default_selector_lr(scheme, None))
 
 
 def _message(spec_json: str, app_hash: str, session: str) -> bytes:

@@ -100,3 +100,6 @@ def test_consent_also_allows_the_split_learning_methods_unless_the_site_listed_i
     assert own.allowed_methods == ("fedavg",)  # the operator's own list wins
     assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
                               "selector_lr": 1e-5, "image_size": 32, "batch_size": 4}) == []
+    # a spec leaving selector_lr to the scheme's default (None) is checked with that default
+    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
+                              "selector_lr": None, "image_size": 32, "batch_size": 4}) == []
