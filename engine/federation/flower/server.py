@@ -236,9 +236,11 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
     secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
+    from engine.federation.flower.fleet_auth import write_keys
     from engine.federation.flower.upload_limits import reply_limit_for
     from engine.fl.robust import RobustSettings
 
+    fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
     max_reply_mb = RobustSettings.from_dict(cfg.robust).max_reply_mb
     if max_reply_mb:
         max_reply = int(max_reply_mb * 2**20)
@@ -251,7 +253,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     superlink = ChildProcess(
         "SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure), fleet_address=cfg.address,
                                    record_dir=None if record_fleet is None else str(record_fleet),
-                                   max_reply_bytes=max_reply),
+                                   max_reply_bytes=max_reply, fleet_keys=None if insecure else str(fleet_keys)),
         cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home"), SECRET_ENV: secret})
     heartbeat = runtime = control = grid = None
     status, details = "failed", "the coordinator stopped before the run ended"
