@@ -87,6 +87,8 @@ class SiteBounds:
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),
                                   ("batch_size", self.min_batch_size, False)):
             value = spec.get(key)
+            if value is None and key == "selector_lr":
+                continue  # not set: the method's own default, which FedSM keeps within any sensible bound
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 out.append(f"{key} = {value!r} is not a number")
             elif (value > bound) if above else (value < bound):
@@ -191,6 +193,27 @@ def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
     shown = {k: spec[k] for k in keys if k in spec}
     return {**shown, "app_hash": settings.get("app_hash"), "session": settings.get("session"),
             "signed": bool(settings.get("signed"))}
+
+
+def format_settings(shown: Mapping[str, Any]) -> str:
+    """:func:`describe`'s dict as one readable line."""
+    order = (("method", "{}"), ("task", "task {}"), ("rounds", "{} rounds"), ("epochs", "{} epoch(s) per round"),
+             ("batch_size", "batch {}"), ("lr", "lr {:g}"), ("selector_lr", "selector lr {:g}"),
+             ("image_size", "{} px"), ("seed", "seed {}"), ("lam", "lam {:g}"), ("gamma", "gamma {:g}"))
+    parts = []
+    for key, pattern in order:
+        value = shown.get(key)
+        if value is not None:
+            try:
+                parts.append(pattern.format(value))
+            except (TypeError, ValueError):
+                parts.append(f"{key} {value}")
+    sites = shown.get("site_names")
+    if isinstance(sites, list | tuple):
+        parts.append("sites " + ", ".join(map(str, sites)))
+    origin = "signed by the coordinator" if shown.get("signed") else "NOT signed (insecure mode)"
+    return f"run settings ({origin}, within this site's bounds): " + "; ".join(parts) + \
+        f"; app {str(shown.get('app_hash', '?'))[:19]}…"
 
 
 def bounds_dict(bounds: SiteBounds) -> dict[str, Any]:
