@@ -276,7 +276,7 @@ class TaskExecutor:
                     settings = check_run_settings(self.cfg, self.insecure, context.run_config, task.fab.content)
                     self._announce(settings)
                     self.worker.signed_spec = settings["spec_json"]
-                except RunSpecRefused as exc:
+                except (RunSpecRefused, ConfigError) as exc:
                     release_task_message(client, task)
                     self.events.error(str(exc))
                     reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=message)
