@@ -126,15 +126,18 @@ def build_datalist(images_dir: Path, masks_dir: Path, out: Path, **options: Any)
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
-          mask_format: str | None = None, force_model: str | None = None) -> dict[str, Any]:
+          mask_format: str | None = None, force_model: str | None = None, site: str | None = None
+          ) -> dict[str, Any]:
     """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``.
 
     ``force_model`` (``"global"`` or a site name) sends every image to that model instead of routing.
+    ``site``: which site's client net a split-network (BlackFed) bundle uses (required there; the
+    same as ``force_model`` with the site's name).
     """
     from engine.inference.run import infer_path
 
     return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
-                      cancel=cancel, mask_format=mask_format, force_model=force_model)
+                      cancel=cancel, mask_format=mask_format, force_model=force_model or site)
 
 
 def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_choice: str = "routed",
@@ -147,12 +150,38 @@ def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_c
                            gamma=gamma, device=device, progress=progress)
 
 
+def bundle_sites(path: Path) -> dict[str, Any]:
+    """What the app shows when a bundle is opened: its kind, method and the sites one can choose.
+
+    ``{"kind": "split", "method": "blackfed-v2", "sites": [...], "server": "per-site"}`` for a
+    BlackFed bundle (the user must pick a site's client net), ``{"kind": "supermodel", ...}``
+    otherwise (the selector routes). Reads the header only.
+    """
+    from engine.bundle import read_metadata
+    from engine.bundle.split import is_split_bundle, read_split_metadata
+
+    if is_split_bundle(Path(path)):
+        meta = read_split_metadata(Path(path))
+        return {"kind": "split", "method": meta.method, "sites": list(meta.site_names), "server": meta.server,
+                "task": meta.task}
+    sm = read_metadata(Path(path))
+    return {"kind": "supermodel", "method": sm.method, "sites": list(sm.site_names), "task": sm.task}
+
+
 def read_bundle_metadata(path: Path) -> dict[str, Any]:
-    """A bundle's metadata as a plain dict (sites, rounds, lambda, gamma, validation Dice, ...)."""
+    """A bundle's metadata as a plain dict (sites, rounds, lambda, gamma, validation Dice, ...).
+
+    A split-network (BlackFed) bundle gives its own metadata with ``routing = "site"``: no
+    selector routes, the user chooses whose client net segments.
+    """
     import json
 
     from engine.bundle import load_bundle
+    from engine.bundle.split import is_split_bundle, load_split_bundle
 
+    if is_split_bundle(Path(path)):
+        meta = json.loads(load_split_bundle(Path(path)).metadata.to_json())
+        return {**meta, "routing": "site"}
     return json.loads(load_bundle(Path(path)).metadata.to_json())
 
 
@@ -265,3 +294,14 @@ def app_hash() -> str:
     from engine.federation.flower.app_bundle import build_app_bundle
 
     return build_app_bundle().hash
+
+
+def format_run_settings(settings: dict[str, Any]) -> str:
+    """One line an operator reads before training starts: the run's settings from a ``run_settings`` event.
+
+    ``settings`` is the event's ``settings`` (what the coordinator signed and this site checked
+    against the ``[bounds]`` of its site.toml; see ``engine.security.run_spec``).
+    """
+    from engine.security.run_spec import format_settings
+
+    return format_settings(settings)

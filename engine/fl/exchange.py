@@ -105,6 +105,9 @@ class ExchangeMethod(ABC):
     REPLY_CONTENTS: ClassVar[dict[str, str]] = {}
     #: Tensor names the coordinator may send, each with what it is.
     REQUEST_CONTENTS: ClassVar[dict[str, str]] = {}
+    #: Whether replies carry data derived from the site's images (activations, masks) rather than
+    #: weights or statistics; a network site answers such a method only if its operator agreed.
+    SHARES_ACTIVATIONS: ClassVar[bool] = False
 
     def __init__(self, task: TaskSpec, site_names: list[str], seed: int = 0, rounds: int = 1) -> None:
         if rounds < 1:
@@ -153,6 +156,13 @@ class ExchangeMethod(ABC):
                 raise WeightsError(f"reply of {site} to {request.action!r}: {name} contains NaN or Inf")
         if reply.num_samples < 0:
             raise WeightsError(f"reply of {site} reports {reply.num_samples} samples")
+
+    def max_reply_bytes(self) -> int | None:
+        """Raw tensor bytes of the largest reply a site may send (``None``: not known in advance).
+
+        The network transport sizes the coordinator's upload limit from it.
+        """
+        return None
 
     # --- evaluation (simulation and benchmarks) ---------------------------------------------
     @abstractmethod

@@ -105,7 +105,15 @@ def load_predictor(bundle_path: PathLike, device: str = "auto") -> LoadedBundle:
             _predictors.move_to_end(key)
             return LoadedBundle(predictor, sha, path.name)
     # Built outside the lock: loading takes seconds and must not block other lookups.
-    predictor = SuperModelPredictor(load_bundle(path), device=str(torch_device))
+    from engine.bundle.split import is_split_bundle
+
+    if is_split_bundle(path):  # BlackFed: a client net per site and the server net
+        from engine.bundle.split import load_split_bundle
+        from engine.inference.split_predictor import SplitPredictor
+
+        predictor = SplitPredictor(load_split_bundle(path), device=str(torch_device))  # type: ignore[assignment]
+    else:
+        predictor = SuperModelPredictor(load_bundle(path), device=str(torch_device))
     with _lock:
         _predictors[key] = predictor
         _predictors.move_to_end(key)

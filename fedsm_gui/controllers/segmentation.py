@@ -67,7 +67,10 @@ class SegmentationController:
         self.view.set_gamma(s.gamma, s.uses_gamma)
         if s.device is not None:
             self.view.set_device(f"{s.device.get('device', '?')} — {s.device.get('reason', '')}".rstrip(" —"))
-        self.view.set_models(s.model_names, s.forced_model)
+        if s.chooses_site:
+            self.view.set_models(s.model_names, s.forced_model, choose_site=True)
+        else:
+            self.view.set_models(s.model_names, s.forced_model)
         can_run = s.metadata is not None and self.viewer.study is not None and s.status != RUNNING
         self.view.set_run_state(s.status, *s.progress, s.message, can_run)
         self.show_current()
@@ -143,7 +146,10 @@ class SegmentationController:
         self.tasks.submit(job, on_done=done, on_error=failed)
 
     def force_model(self, model: str) -> None:
-        """Route every slice to ``model`` in the next run (``""``: let the selector choose)."""
+        """Route every slice to ``model`` in the next run (``""``: let the selector choose).
+
+        For a BlackFed bundle ``model`` is the site whose client net segments.
+        """
         self.state.set_forced_model(model or None)
 
     # --- run -----------------------------------------------------------------------------
@@ -177,7 +183,10 @@ class SegmentationController:
                 return
             self._result_study = study
             self.state.finish(result)
-            routed = "forced: " + self.state.forced_model if self.state.forced_model else "routed"
+            if self.state.chooses_site:
+                routed = f"client net of {self.state.forced_model}"
+            else:
+                routed = "forced: " + self.state.forced_model if self.state.forced_model else "routed"
             self.overlays.set_layer(MODEL_LAYER, result.labels, title=f"model ({routed})", outline=False,
                                     slicer=slicer)
             self.main.show_status(f"Segmented on {result.device}")

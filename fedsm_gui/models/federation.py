@@ -35,6 +35,9 @@ class SiteSetup:
     datalist: str = ""
     app_hash: str = ""
     config_path: str = ""
+    #: The operator confirmed BlackFed's threat model: split-learning runs may send activations of
+    #: this site's images and their masks to the coordinator (``[site] share_activations``).
+    share_activations: bool = False
 
 
 @dataclass
@@ -68,9 +71,14 @@ def format_bytes(n: float) -> str:
 
 def describe_contents(direction: str, contents: dict[str, Any]) -> str:
     """Human summary of a ledger entry's contents, e.g. ``"global 84 tensors; 10 samples; metrics: loss"``."""
+    def item(group: str, value: Any) -> str:
+        # weight parts carry a tensor count; a dialogue method's tensors (BlackFed) say what they are
+        return f"{group}: {value} tensors" if isinstance(value, int | float) else f"{group} ({value})"
+
     if direction == "received":
-        return "; ".join(f"{group}: {n} tensors" for group, n in contents.items()) or "nothing"
-    parts = [f"{group}: {n} tensors" for group, n in dict(contents.get("tensors", {})).items()]
+        groups = contents.get("tensors", contents) if isinstance(contents.get("tensors"), dict) else contents
+        return "; ".join(item(group, n) for group, n in groups.items()) or "nothing"
+    parts = [item(group, n) for group, n in dict(contents.get("tensors", {})).items()]
     if "num_examples" in contents:
         parts.append(f"sample count {contents['num_examples']}")
     metrics = list(contents.get("metrics", []))
@@ -109,6 +117,10 @@ def describe_event(event: dict[str, Any]) -> str | None:
         return f"{where}error: {event.get('message', '')}"
     if kind == "finished":
         return f"federation finished after {event.get('rounds', '?')} rounds"
+    if kind == "run_settings":
+        from engine import api
+
+        return api.format_run_settings(dict(event.get("settings", {})))
     return f"{kind}: {json.dumps({k: v for k, v in event.items() if k not in ('event', 'time')})}"
 
 
@@ -130,6 +142,7 @@ class FederationState:
     def reset(self) -> None:
         """Forget everything about the previous run (a new Join)."""
         self.status = IDLE
+        self.run_settings: dict[str, Any] = {}
         self.coordinator = ""
         self.site = ""
         self.method = ""
@@ -251,6 +264,10 @@ class FederationState:
             parts.add(LEDGER)
         elif kind == "error":
             self.error = str(event.get("message", "unknown error"))
+            parts.add(STATUS)
+        elif kind == "run_settings":  # what the coordinator signed and this site accepted: shown in the log
+            self.run_settings = dict(event.get("settings", {}))
+            self.method = str(self.run_settings.get("method", self.method) or self.method)
             parts.add(STATUS)
         elif kind == "finished":
             self.status = FINISHED

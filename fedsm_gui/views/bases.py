@@ -116,8 +116,8 @@ class SegmentationView:
         """Where inference runs (e.g. ``"cpu — no CUDA GPU found"``)."""
         raise NotImplementedError
 
-    def set_models(self, names: Sequence[str], forced: str | None) -> None:
-        """Models that can be forced and the one currently forced."""
+    def set_models(self, names: Sequence[str], forced: str | None, choose_site: bool = False) -> None:
+        """Models that can be forced and the one currently forced (``choose_site``: a BlackFed bundle's sites)."""
         raise NotImplementedError
 
     def set_run_state(self, status: str, done: int, total: int, message: str, can_run: bool) -> None:

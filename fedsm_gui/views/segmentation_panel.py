@@ -210,11 +210,16 @@ class SegmentationPanel(QGroupBox):
     def set_device(self, text: str) -> None:
         self.device_label.setText(f"device: {text}")
 
-    def set_models(self, names: Sequence[str], forced: str | None) -> None:
+    def set_models(self, names: Sequence[str], forced: str | None, choose_site: bool = False) -> None:
+        """Fill the model choice; ``choose_site``: a BlackFed bundle, one entry per site's client net."""
         self.model_combo.blockSignals(True)
         self.model_combo.clear()
-        self.model_combo.addItem("routed by the selector", "")
-        for name in names:
+        if choose_site:
+            for name in names:
+                self.model_combo.addItem(f"client net of {name} (BlackFed)", name)
+        else:
+            self.model_combo.addItem("routed by the selector", "")
+        for name in names if not choose_site else ():
             label = "global model" if name == "global" else f"personalized model of {name}"
             self.model_combo.addItem(f"force: {label}", name)
         self.model_combo.setCurrentIndex(self.model_combo.findData(forced or ""))
