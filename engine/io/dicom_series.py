@@ -671,11 +671,11 @@ def _decode_file(item: DicomFile) -> tuple[np.ndarray, bool]:
     return np.asarray(pixels), rescaled
 
 
-def _check_series_size(key: str, shape: tuple[int, int, int]) -> None:
+def _check_series_size(where: str, shape: tuple[int, int, int]) -> None:
     """Refuse a series whose float32 volume would exceed :data:`MAX_VOXELS` before reserving it."""
     voxels = shape[0] * shape[1] * shape[2]
     if voxels > MAX_VOXELS:
-        raise DataError(f"series {key}: {shape[2]} slices of {shape[0]}x{shape[1]} pixels ({voxels:,} voxels), more "
+        raise DataError(f"{where}: {shape[2]} slices of {shape[0]}x{shape[1]} pixels ({voxels:,} voxels), more "
                         f"than the {MAX_VOXELS:,} FedSM reads; the headers are damaged, or crop/downsample the "
                         "series first")
 
@@ -870,7 +870,7 @@ def read_series(files: list[DicomFile], source: Path, progress: ProgressFn | Non
     first = planes[0]
     ras = LPS_TO_RAS @ lps
     shape = (first.columns, first.rows, len(planes))  # (c, r, k): i along the row direction
-    _check_series_size(key, shape)
+    _check_series_size(f"{source}: series {key}", shape)
     try:
         ornt, affine, _ = canonical_layout(ras, shape)
     except DataError as exc:

@@ -85,3 +85,19 @@ def test_the_upload_limit_fits_blackfeds_largest_reply():
     assert dialogue_reply_limit(method) == MIN_REPLY_LIMIT  # small images: the floor
     big = BlackFed(FUNDUS, ["a"], config=BlackFedConfig(image_size=256))
     assert dialogue_reply_limit(big) == 2 * big.max_reply_bytes() + 16 * 2**20
+
+
+def test_bounds_leave_blackfed_to_the_consent_unless_the_site_listed_its_own_methods():
+    from types import SimpleNamespace
+
+    from engine.federation.flower.site import site_bounds
+
+    agreed = site_bounds(SimpleNamespace(bounds={}, share_activations=True))
+    own = site_bounds(SimpleNamespace(bounds={"allowed_methods": ["fedavg"]}, share_activations=True))
+    assert own.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3, "selector_lr": 1e-5,
+                           "image_size": 32, "batch_size": 4})  # the operator's own list wins
+    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
+                              "selector_lr": 1e-5, "image_size": 32, "batch_size": 4}) == []
+    # a spec leaving selector_lr to the scheme's default (None) is checked with that default
+    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
+                              "selector_lr": None, "image_size": 32, "batch_size": 4}) == []

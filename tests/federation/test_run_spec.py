@@ -134,3 +134,14 @@ def test_the_operator_sees_the_signed_settings(pki):  # noqa: F811
     state.apply_event({"event": "run_settings", "time": 0.0, "source": "site", "site": "site1", "settings": settings})
     assert state.run_settings["method"] == "fedsm" and state.method == "fedsm"
     assert any("run settings (signed by the coordinator" in entry for entry in state.log)
+
+
+def test_every_method_is_allowed_by_default():
+    from engine.federation.spec import FEDERATION_METHODS
+    from engine.fl.registry import EXCHANGE_METHODS
+
+    for method in (*FEDERATION_METHODS, *EXCHANGE_METHODS):
+        spec = {"method": method, "rounds": 3, "epochs": 1, "lr": 1e-3, "selector_lr": None, "image_size": 256,
+                "batch_size": 8}
+        assert SiteBounds().violations(spec) == [], method
+    assert SiteBounds.from_dict({"allowed_methods": ["fedsm"]}).violations(dict(spec, method="fedavg"))

@@ -107,6 +107,10 @@ def test_the_coordinators_reply_limit_follows_the_method():
     largest = sum(payload_bytes(w) for w in method.expected_update_shapes(state, "s1").values())
     assert largest > 40 * 10**6 and limit == max(2 * largest + 16 * 2**20, MIN_REPLY_LIMIT)
     assert limit < 600 * 10**6  # the 600 MB upload of issue 16 is refused
+    # a dialogue method's replies are activations, not models: no per-reply limit is derived
+    blackfed = build_method(MethodSpec(method="blackfed-v1", task="fundus", site_names=("s1", "s2"), rounds=1,
+                                       image_size=32), "cpu")
+    assert reply_limit_for(blackfed, blackfed.initial_state(), ("s1", "s2")) is None
 
 
 def test_header_auth_accepts_only_enrolled_signed_requests(pki):  # noqa: F811

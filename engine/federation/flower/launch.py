@@ -167,14 +167,15 @@ def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> st
         return None
     from pathlib import Path
 
+    from engine.errors import FedSMError
     from engine.security.approval import app_hash
-    from engine.security.run_spec import RUN_CONFIG_KEY, RunSpecRefused, SiteBounds, verify_envelope
+    from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
 
     try:
         verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
                         ca_cert=Path(policy["ca_cert"]) if policy.get("ca_cert") else None,
                         app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")))
-    except RunSpecRefused as exc:
+    except FedSMError as exc:  # RunSpecRefused, or unusable bounds: refused either way, never a crash
         return str(exc)
     return None
 
