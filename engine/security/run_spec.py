@@ -93,8 +93,14 @@ class SiteBounds:
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),
                                   ("batch_size", self.min_batch_size, False)):
             value = spec.get(key)
-            if value is None and key == "selector_lr":
-                continue  # not set: the method's own default, which FedSM keeps within any sensible bound
+            if key == "selector_lr" and value is None:
+                # unset: the selector scheme's default lr (engine.fl.selector_training), which is what trains
+                from engine.fl.selector_training import default_selector_lr
+
+                try:
+                    value = default_selector_lr(str(spec.get("selector_calibration", "none")))
+                except ConfigError:
+                    value = None
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 out.append(f"{key} = {value!r} is not a number")
             elif (value > bound) if above else (value < bound):

@@ -242,8 +242,14 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
 
     fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
     max_reply_mb = RobustSettings.from_dict(cfg.robust).max_reply_mb
-    max_reply = (int(max_reply_mb * 2**20) if max_reply_mb
-                 else reply_limit_for(method, method.initial_state(), cfg.sites))  # None: a dialogue method
+    if max_reply_mb:
+        max_reply = int(max_reply_mb * 2**20)
+    elif isinstance(method, ExchangeMethod):
+        from engine.federation.flower.dialogue import dialogue_reply_limit
+
+        max_reply = dialogue_reply_limit(method)
+    else:
+        max_reply = reply_limit_for(method, method.initial_state(), cfg.sites)
     superlink = ChildProcess(
         "SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure), fleet_address=cfg.address,
                                    record_dir=None if record_fleet is None else str(record_fleet),

@@ -39,22 +39,35 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RESTART_PAUSES = (2.0, 4.0, 8.0, 15.0, 30.0)
 
 
+def site_bounds(cfg: SiteConfig) -> Any:
+    """The site's ``[bounds]``.
+
+    Without ``allowed_methods`` every method is within bounds (``None``); split learning is still
+    answered only with ``[site] share_activations = true`` (the consent, checked per exchange in
+    :func:`engine.federation.flower.dialogue.answer_exchange`; docs/federation.md §10). An
+    operator's own ``allowed_methods`` list is taken as written.
+    """
+    from engine.security.run_spec import SiteBounds
+
+    return SiteBounds.from_dict(cfg.bounds)
+
+
 def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
     """What a run's signed settings are checked against: the federation CA (none when insecure) and [bounds]."""
-    from engine.security.run_spec import SiteBounds, bounds_dict
+    from engine.security.run_spec import bounds_dict
 
     return {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
-            "bounds": bounds_dict(SiteBounds.from_dict(cfg.bounds))}
+            "bounds": bounds_dict(site_bounds(cfg))}
 
 
 def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes) -> dict[str, Any]:
     """The run's verified settings (:func:`engine.security.run_spec.verify_envelope`) from its run config."""
     from engine.security.approval import app_hash
-    from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
+    from engine.security.run_spec import RUN_CONFIG_KEY, verify_envelope
 
     return verify_envelope((run_config or {}).get(RUN_CONFIG_KEY),
                            ca_cert=None if insecure or cfg.ca_cert is None else cfg.ca_cert,
-                           app_hash=app_hash(fab), bounds=SiteBounds.from_dict(cfg.bounds))
+                           app_hash=app_hash(fab), bounds=site_bounds(cfg))
 
 
 class SuperNodeSupervisor:
