@@ -100,7 +100,8 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         shown = next(e for e in events if e["event"] == "run_settings")["settings"]
         assert shown["signed"] is True and shown["method"] == "fedsm" and shown["image_size"] == 32
         sent = next(e for e in events if e["event"] == "sent" and e["round"] == 1)
-        assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60}
+        assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60,
+                                                   "selector_optim": 73}  # the reference-trained selector's Adam state
         assert sent["contents"]["num_examples"] > 0 and "loss_global" in sent["contents"]["metrics"]
     server_events = read_events(fed.server_events)
     assert [e["round"] for e in server_events if e["event"] == "checkpoint"] == [1, 2, 3]
