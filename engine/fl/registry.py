@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from engine.tasks import TaskSpec
 
 #: Dialogue method name -> ``"module:factory"``.
-EXCHANGE_METHODS: dict[str, str] = {}
+EXCHANGE_METHODS: dict[str, str] = {
+    "fediod": "engine.fl.fediod:build_fediod",
+}
 
 
 def build_exchange_method(name: str, task: TaskSpec, site_names: list[str],
