@@ -10,7 +10,7 @@ from engine.tasks import TaskSpec
 
 METHOD_TITLES = {
     "centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
-    "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
+    "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra", "fediod": "FedIOD",
 }
 
 
@@ -103,6 +103,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Components (client average, mean Dice): global model alone "
                       f"{_fmt(comp['global_only']['client_average']['mean'])}, each site's personalized model on "
                       f"its own site {_fmt(comp['personal_oracle']['client_average']['mean'])}."]
+    if report["methods"].get("fediod"):
+        lines += fediod_section(report["methods"]["fediod"], sites, structures)
     lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:
@@ -114,8 +116,36 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("supermodel"):
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():
-            lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
+            title = METHOD_TITLES.get(name, name)
+            lines.append(f"- {title}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
+
+
+def fediod_section(result: dict[str, Any], sites: list[str], structures: list[str]) -> list[str]:
+    """FedIOD's part of ``report.md``: the student beside each site's teacher (Standalone), and epsilon per site."""
+    extra = result.get("extra", {})
+    lines = ["", "## FedIOD: distilled student, teachers (Standalone) and privacy", "",
+             "Client-average test Dice; each teacher is evaluated on every site's test split.", "",
+             "| model | " + " | ".join(structures) + " |", "|---" * (len(structures) + 1) + "|",
+             "| FedIOD student | " + " | ".join(_fmt(result["client_average"][k]) for k in structures) + " |"]
+    standalone = extra.get("standalone") or {}
+    for site, r in standalone.get("models", {}).items():
+        lines.append(f"| teacher of {site} | " + " | ".join(_fmt(r["client_average"][k]) for k in structures) + " |")
+    if standalone.get("mean"):
+        lines.append("| Standalone (mean ± std) | " + " | ".join(
+            f"{_fmt(standalone['mean'][k])} ± {_fmt(standalone['std'][k])}" for k in structures) + " |")
+    eps = extra.get("epsilon", {})
+    lines += ["", "| site | teacher validation Dice | noise multiplier | releases | epsilon (delta) |",
+              "|---|---|---|---|---|"]
+    for s in sites:
+        e = eps.get(s)
+        lines.append(f"| {s} | {_fmt(extra.get('teacher_val_dice', {}).get(s))} | "
+                     f"{extra.get('noise_multiplier', {}).get(s, 0.0):.3g} | {extra.get('releases', {}).get(s, 0)} | "
+                     + ("no DP (infinite)" if e is None else f"{e:.3g} ({extra.get('delta', {}).get(s, 0):.0e})")
+                     + " |")
+    lines += ["", "Epsilon covers only the released input gradients; teacher logits and discriminator "
+                  "scores are sent without noise (see docs/architecture.md, FedIOD)."]
+    return lines
 
 
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:

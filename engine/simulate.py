@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
 
 #: Every method ``--methods`` accepts, in the order the report lists them.
-ALL_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra")
+ALL_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra", "fediod")
 #: SoftPull lam per task when none is given (the paper's best values).
 DEFAULT_LAM = {"fundus": 0.7, "prostate": 0.3}
 REPORT_SCHEMA = "fedsm-simulation-report/1"
@@ -54,6 +54,16 @@ class SimulationConfig:
     selector_head: str = "gap"
     prox_mu: float = 0.01
     extra_rounds: int | None = None
+    #: FedIOD (engine.fl.fediod): distillation steps per round, generated images per step,
+    #: the teachers' epoch cap and early-stopping patience, and the privacy setting of sites
+    #: (noise multiplier, or an epsilon target; clipping norm).
+    fediod_steps: int = 100
+    fediod_batch: int = 8
+    teacher_epochs: int = 20
+    teacher_patience: int = 4
+    dp_noise: float = 0.0
+    dp_epsilon: float | None = None
+    dp_clip: float = 1.0
     device: str = "auto"
     data_dir: str | None = None
 
@@ -257,6 +267,7 @@ class Simulation:
         it) adds method-specific results, and a ``"bundle"`` among them is saved with the report.
         """
         from engine.federation.inprocess import run_exchange_rounds
+        from engine.fl.evaluation import dice_per_case
         from engine.fl.registry import build_exchange_method
 
         start = time.perf_counter()
@@ -269,9 +280,30 @@ class Simulation:
         per_site, client_avg, pooled = self._evaluate(predict)
         report_extra = getattr(method, "report_extra", None)
         extra = report_extra(state, runtimes) if report_extra is not None else {}
+        site_segmenters = getattr(method, "site_segmenters", None)
+        if site_segmenters is not None:
+            extra["standalone"] = self._evaluate_site_models(site_segmenters(runtimes, self.cfg.device))
+        make_bundle = getattr(method, "bundle", None)
+        if make_bundle is not None:
+            val_dice = {s.name: (float(dice_per_case(predict(k, s.validation.images), s.validation.masks,
+                                                     s.validation.case_ids).mean())
+                                 if len(s.validation.images) else None) for k, s in enumerate(self.sites)}
+            extra["bundle"] = make_bundle(state, {"seed": self.cfg.seed}, val_dice)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra)
+
+    def _evaluate_site_models(self, models: dict[str, Callable[[np.ndarray], np.ndarray]]) -> dict[str, Any]:
+        """Each site's own model on every site's test split ("Standalone"): per model, and mean +- std."""
+        per_model = {}
+        for name, predict in models.items():
+            per_site, client_avg, pooled = self._evaluate(lambda k, x, predict=predict: predict(x))
+            per_model[name] = {"dice": per_site, "client_average": client_avg, "pooled": pooled}
+        keys = [*self.task.label_names, "mean"]
+        avgs = [m["client_average"] for m in per_model.values()]
+        return {"models": per_model,
+                "mean": {k: float(np.mean([a[k] for a in avgs])) for k in keys} if avgs else {},
+                "std": {k: float(np.std([a[k] for a in avgs])) for k in keys} if avgs else {}}
 
     def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
         """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""
@@ -404,6 +436,11 @@ class Simulation:
                 path = self.out_dir / file
                 digest = save_bundle(path, bundles[name])
                 supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+        for name, bundle in bundles.items():
+            if name not in supermodel:  # single-model bundles (e.g. FedIOD's distilled student)
+                path = self.out_dir / f"{name}.safetensors"
+                digest = save_bundle(path, bundle)
+                supermodel[name] = {"path": path.name, "sha256": digest, "bytes": path.stat().st_size}
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),

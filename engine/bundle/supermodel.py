@@ -8,6 +8,12 @@ Tensors are namespaced by the part of the super model they belong to::
     personal.<site>.<key>    site ``<site>``'s personalized U-Net (site names contain no dots)
     selector.<key>           the model selector
 
+A *single-model* bundle (``method = "fediod"``, ``routing = "single"``: FedIOD's distilled
+student, :mod:`engine.fl.fediod`) holds only ``global.<key>``: no personalized model and no
+selector; ``site_names`` are then the sites whose teachers it learnt from, and
+``extra["distilled"]`` / ``extra["epsilon"]`` say how it was trained and with which privacy
+budget per site (``null`` where a site added no noise).
+
 The :class:`BundleMetadata` is one JSON string stored under the safetensors metadata key
 ``"fedsm"``. safetensors is a flat, pickle-free format: loading a bundle can never execute code,
 whoever wrote the file.
@@ -46,10 +52,11 @@ BUNDLE_FORMAT_VERSION = 1
 #: safetensors metadata key holding the :class:`BundleMetadata` JSON.
 METADATA_KEY = "fedsm"
 
-METHODS = ("fedsm", "fedsm-extra")
-ROUTINGS = ("gamma", "argmax")
-#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models.
-ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax"}
+METHODS = ("fedsm", "fedsm-extra", "fediod")
+ROUTINGS = ("gamma", "argmax", "single")
+#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models;
+#: FedIOD's distilled student is one model (no selector, nothing to route).
+ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", "fediod": "single"}
 SELECTOR_HEADS = ("gap", "classic")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
@@ -161,13 +168,20 @@ class BundleMetadata:
 
     @property
     def selector_classes(self) -> int:
-        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing."""
+        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing, 1 for a single model."""
+        if self.routing == "single":
+            return 1
         return self.num_sites + (1 if self.routing == "argmax" else 0)
 
     @property
+    def single_model(self) -> bool:
+        """True for a one-model bundle (``global.*`` only; e.g. FedIOD's distilled student)."""
+        return self.routing == "single"
+
+    @property
     def model_names(self) -> list[str]:
-        """Name of every routable model by index: ``["global", site_1, ..., site_K]``."""
-        return ["global", *self.site_names]
+        """Name of every routable model by index: ``["global", site_1, ..., site_K]`` (``["global"]`` for one model)."""
+        return ["global"] if self.single_model else ["global", *self.site_names]
 
     def validate(self) -> None:
         """Check every field and their consistency; raise :class:`ConfigError` on the first problem."""
@@ -334,6 +348,11 @@ def _flatten(bundle: SuperModelBundle) -> dict[str, torch.Tensor]:
     """
     meta = bundle.metadata
     declared, given = set(meta.site_names), set(bundle.personal_weights)
+    if meta.single_model:
+        if bundle.personal_weights or bundle.selector_weights:
+            raise ConfigError("a single-model bundle holds only the global model; leave personal and selector "
+                              "weights empty")
+        return _namespaced([("global", bundle.global_weights)])
     if declared != given:
         raise ConfigError(
             f"personal weights are for sites {sorted(given)} but metadata declares {meta.site_names}; "
@@ -342,7 +361,10 @@ def _flatten(bundle: SuperModelBundle) -> dict[str, torch.Tensor]:
     parts: list[tuple[str, dict[str, torch.Tensor]]] = [("global", bundle.global_weights)]
     parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.site_names]
     parts.append(("selector", bundle.selector_weights))
+    return _namespaced(parts)
 
+
+def _namespaced(parts: list[tuple[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     flat: dict[str, torch.Tensor] = {}
     seen_storage: set[int] = set()
     for prefix, weights in parts:
@@ -501,11 +523,13 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
         raise BundleError(
             f"{p}: the safetensors data is corrupt ({exc}); copy or export the bundle again"
         ) from exc
-    missing = [f"site {site!r}" for site, w in personal.items() if not w]
+    missing = [] if metadata.single_model else [f"site {site!r}" for site, w in personal.items() if not w]
     if not global_weights:
         missing.insert(0, "the global model")
-    if not selector_weights:
+    if not selector_weights and not metadata.single_model:
         missing.append("the model selector")
+    if metadata.single_model:
+        personal = {}
     if missing:
         raise BundleError(
             f"{p}: has no weights for {', '.join(missing)}; the file is incomplete, export it again"

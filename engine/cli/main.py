@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
-                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra")
+                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra,fediod")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lam", type=float, default=None,
@@ -60,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
     p.add_argument("--prox-mu", type=float, default=0.01)
     p.add_argument("--extra-rounds", type=int, default=None, help="FedSM-extra selector rounds (default = rounds)")
+    p.add_argument("--fediod-steps", type=int, default=100, help="FedIOD distillation steps per round")
+    p.add_argument("--fediod-batch", type=int, default=8, help="FedIOD generated images per step")
+    p.add_argument("--teacher-epochs", type=int, default=20, help="FedIOD teachers' epoch cap (early stopping)")
+    p.add_argument("--teacher-patience", type=int, default=4, help="FedIOD teachers' early-stopping patience")
+    p.add_argument("--dp-noise", type=float, default=0.0,
+                   help="FedIOD sites' noise multiplier on released input gradients (0 = no DP)")
+    p.add_argument("--dp-epsilon", type=float, default=None,
+                   help="FedIOD sites' epsilon target for the run (instead of --dp-noise)")
+    p.add_argument("--dp-clip", type=float, default=1.0, help="FedIOD sites' clipping norm of one release")
     p.add_argument("--data", type=Path, default=None, help="data folder (default OUT/data; created if needed)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", type=Path, required=True)
@@ -115,6 +124,9 @@ def _run(args: argparse.Namespace) -> int:
                 gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                 selector_lr=args.selector_lr, selector_size=args.selector_size,
                 selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
+                fediod_steps=args.fediod_steps, fediod_batch=args.fediod_batch,
+                teacher_epochs=args.teacher_epochs, teacher_patience=args.teacher_patience,
+                dp_noise=args.dp_noise, dp_epsilon=args.dp_epsilon, dp_clip=args.dp_clip,
                 device=args.device, data_dir=str(args.data) if args.data else None)
         finally:
             progress.close()

@@ -41,6 +41,7 @@ from engine.fl.methods import derived_seed
 from engine.fl.weights import clone_weights
 
 if TYPE_CHECKING:
+    from engine.bundle import SuperModelBundle
     from engine.fl.methods import SiteRuntime, WeightSet
     from engine.tasks import TaskSpec
 
@@ -352,6 +353,28 @@ class FedIOD(ExchangeMethod):
             "label_frequency": {s: state["stats"]["label_frequency"][i].tolist()
                                 for i, s in enumerate(self.site_names)},
         }
+
+
+    def bundle(self, state: WeightSet, extra: Mapping[str, Any] | None = None,
+               val_dice: Mapping[str, float | None] | None = None) -> SuperModelBundle:
+        """The distilled student as a single-model bundle whose metadata says how it was made.
+
+        ``extra`` adds free-form details (e.g. the seed); ``val_dice`` is the student's
+        validation Dice per site where measured.
+        """
+        from engine.bundle import BundleMetadata, SuperModelBundle
+
+        p = state["privacy"]
+        meta = BundleMetadata(
+            task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
+            image_size=self.config.image_size, selector_size=32, site_names=list(self.site_names),
+            normalisation=self.task.normalisation, method="fediod", routing="single", rounds=self.rounds,
+            val_dice=dict(val_dice or {}),
+            extra={"distilled": True, "epsilon": self.epsilons(state),
+                   "delta": {s: float(p["delta"][i]) for i, s in enumerate(self.site_names)},
+                   "noise_multiplier": {s: float(p["noise_multiplier"][i]) for i, s in enumerate(self.site_names)},
+                   "distillation_steps": self.config.steps * self.rounds, **dict(extra or {})})
+        return SuperModelBundle(meta, dict(state["student"]), {}, {})
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -140,23 +140,26 @@ class SuperModelPredictor:
         self.global_net = build_segmentation_net(meta.in_channels, len(meta.label_names))
         _fit_weights(self.global_net, bundle.global_weights, f"global model ({layout})", where)
         self.personal_nets: list[nn.Module] = []
-        for site in meta.site_names:
+        # a single-model bundle (FedIOD's student) has no personalized models and no selector
+        self.selector: nn.Module | None = None
+        for site in [] if meta.single_model else meta.site_names:
             net = build_segmentation_net(meta.in_channels, len(meta.label_names))
             what = f"personalized model of site {site!r} ({layout})"
             _fit_weights(net, bundle.personal_weights[site], what, where)
             self.personal_nets.append(net)
-        self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
-        _fit_weights(
-            self.selector,
-            bundle.selector_weights,
-            f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
-            where,
-        )
+        if not meta.single_model:
+            self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
+            _fit_weights(
+                self.selector,
+                bundle.selector_weights,
+                f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
+                where,
+            )
         for net in self._models():
             net.to(self.device).eval()
 
     def _models(self) -> list[nn.Module]:
-        return [self.global_net, *self.personal_nets, self.selector]
+        return [self.global_net, *self.personal_nets, *([self.selector] if self.selector is not None else [])]
 
     @property
     def num_models(self) -> int:
@@ -257,15 +260,22 @@ class SuperModelPredictor:
         probs = np.zeros((n, meta.selector_classes), dtype=np.float32)
         masks = np.zeros((n, len(meta.label_names), height, width), dtype=np.uint8)
         with torch.inference_mode(), self._autocast():
-            for sl in _batches(n, batch_size):
-                check_cancel("model selection")
-                x = self._to_device(resize_images(arr[sl], meta.selector_size))
-                # Softmax in float32: under autocast the logits may be fp16.
-                probs[sl] = torch.softmax(self.selector(x).float(), dim=1).cpu().numpy()
-                step(sl.stop - sl.start)
+            selector = self.selector
+            if selector is None:  # one model: every image goes to it, with certainty
+                probs[:] = 1.0
+                step(n)
+            else:
+                for sl in _batches(n, batch_size):
+                    check_cancel("model selection")
+                    x = self._to_device(resize_images(arr[sl], meta.selector_size))
+                    # Softmax in float32: under autocast the logits may be fp16.
+                    probs[sl] = torch.softmax(selector(x).float(), dim=1).cpu().numpy()
+                    step(sl.stop - sl.start)
 
             if force_model is not None:
                 routed = np.full(n, int(force_model), dtype=np.int64)
+            elif meta.single_model:
+                routed = np.zeros(n, dtype=np.int64)
             elif meta.routing == "argmax":
                 routed = route_fedsm_extra(probs)
             else:
