@@ -35,7 +35,16 @@ from engine.fl import fediod_losses as losses
 from engine.fl.exchange import ExchangeMethod, Reply, Request, RoundDialogue
 from engine.fl.fediod_nets import Generator
 from engine.fl.fediod_privacy import DEFAULT_DELTA, PrivacySetting, epsilon_spent
-from engine.fl.fediod_site import STATE_KEY, SiteState, answer_gradient, answer_query, label_frequency, setup_site
+from engine.fl.fediod_site import (
+    STATE_KEY,
+    SiteState,
+    answer_gradient,
+    answer_query,
+    label_frequency,
+    mirror_state,
+    restore_state,
+    setup_site,
+)
 from engine.fl.local_training import Device, RoundContext
 from engine.fl.methods import derived_seed
 from engine.fl.weights import clone_weights
@@ -276,19 +285,25 @@ class FedIOD(ExchangeMethod):
             ctx = RoundContext(self.name, 1, site.name, progress, cancel)
             state = setup_site(self.task, site, request.config, self.privacy, ctx)
             site.state[STATE_KEY] = state
+            mirror_state(site, state)
             freq = torch.from_numpy(label_frequency(site.train.masks))
             return Reply({"label_frequency": freq},
                          {**state.teacher_metrics, "noise_multiplier": state.noise_multiplier,
                           "delta": state.privacy.delta}, n)
         state = site.state.get(STATE_KEY)
         if not isinstance(state, SiteState):
-            raise WeightsError(f"{site.name} has no FedIOD teacher yet; the run must start with a setup request")
+            state = restore_state(self.task, site, self.config.device)
+            if state is None:
+                raise WeightsError(f"{site.name} has no FedIOD teacher yet; the run must start with a setup request")
+            site.state[STATE_KEY] = state
         step = int(request.config.get("step", -1))
         if request.action == "query":
             logits, scores, d_loss = answer_query(state, site.train, request.tensors["images"], step)
+            mirror_state(site, state, teacher=False)
             return Reply({"logits": logits, "scores": scores}, {"d_loss": d_loss}, n)
         if request.action == "gradient":
             grad = answer_gradient(state, step, request.tensors["logit_grad"], request.tensors["score_grad"])
+            mirror_state(site, state, teacher=False)
             return Reply({"input_grad": grad}, {"releases": float(state.releases)}, n)
         raise WeightsError(f"unknown FedIOD request {request.action!r}")
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported where it is used: site.toml parsing needs only PrivacySetting
+    import torch
 
 #: Default delta of the reported (epsilon, delta) guarantee.
 DEFAULT_DELTA = 1e-5
@@ -91,6 +93,8 @@ def clip_and_noise(gradient: torch.Tensor, clip_norm: float, noise_multiplier: f
         The sanitised gradient (same shape, float32) and the norm before clipping (kept at
         the site; it is not released).
     """
+    import torch
+
     g = gradient.detach().to(torch.float32)
     norm = float(torch.linalg.vector_norm(g))
     scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0

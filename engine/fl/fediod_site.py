@@ -213,6 +213,68 @@ def answer_gradient(state: SiteState, step: int, logit_grad: torch.Tensor, score
     return released
 
 
+#: Keys of the weight-dict mirror of a :class:`SiteState` inside ``SiteRuntime.state``.
+MIRROR_KEYS = ("fediod/teacher", "fediod/discriminator", "fediod/site")
+
+
+def mirror_state(site: SiteRuntime, state: SiteState, teacher: bool = True) -> None:
+    """Copy ``state`` into plain weight dicts in ``site.state``, as transports persist site state.
+
+    A transport that keeps only weight dicts between messages (e.g. through
+    :func:`engine.federation.checkpoint.save_site_state`) can then rebuild the site with
+    :func:`restore_state`. The discriminator's Adam moments are not kept (a restored site starts a
+    fresh Adam); everything else, the random generator and the release count included, is.
+    The teacher never changes after setup, so ``teacher=False`` skips copying it again.
+    """
+    if teacher or "fediod/teacher" not in site.state:
+        site.state["fediod/teacher"] = {k: v.detach().cpu().clone() for k, v in state.teacher.state_dict().items()}
+    site.state["fediod/discriminator"] = {k: v.detach().cpu().clone()
+                                          for k, v in state.discriminator.state_dict().items()}
+    p = state.privacy
+    info = {"releases": torch.tensor(float(state.releases), dtype=torch.float64),
+            "noise_multiplier": torch.tensor(state.noise_multiplier, dtype=torch.float64),
+            "clip_norm": torch.tensor(p.clip_norm, dtype=torch.float64),
+            "delta": torch.tensor(p.delta, dtype=torch.float64),
+            "epsilon_target": torch.tensor(math.nan if p.epsilon is None else p.epsilon, dtype=torch.float64),
+            "rng": state.rng.get_state().clone(),
+            "lr_d": torch.tensor(state.optimizer.param_groups[0]["lr"], dtype=torch.float64)}
+    for step, images in state.pending.items():
+        info["pending_step"] = torch.tensor(step, dtype=torch.int64)
+        info["pending_images"] = images.detach().cpu().clone()
+    for key, value in state.teacher_metrics.items():
+        info[f"metric/{key}"] = torch.tensor(value, dtype=torch.float64)
+    site.state["fediod/site"] = info
+
+
+def restore_state(task: TaskSpec, site: SiteRuntime, device: str = "auto") -> SiteState | None:
+    """Rebuild a :class:`SiteState` from its weight-dict mirror (``None`` when there is none)."""
+    from engine.models import build_segmentation_net
+
+    teacher_w, disc_w, info = (site.state.get(k) for k in MIRROR_KEYS)
+    if not (isinstance(teacher_w, dict) and isinstance(disc_w, dict) and isinstance(info, dict)):
+        return None
+    dev = Device.resolve(device).torch_device
+    factory = site.state.get("teacher_factory")
+    teacher = factory() if factory is not None else build_segmentation_net(task.in_channels, task.out_channels)
+    teacher.load_state_dict(teacher_w)
+    teacher.to(dev).eval()
+    for param in teacher.parameters():
+        param.requires_grad_(False)
+    disc = PatchDiscriminator(task.in_channels).to(dev)
+    disc.load_state_dict(disc_w)
+    opt = torch.optim.Adam(disc.parameters(), lr=float(info["lr_d"]), betas=(0.5, 0.999))
+    target = float(info["epsilon_target"])
+    privacy = PrivacySetting(noise_multiplier=0.0 if math.isfinite(target) else float(info["noise_multiplier"]),
+                             epsilon=target if math.isfinite(target) else None,
+                             clip_norm=float(info["clip_norm"]), delta=float(info["delta"]))
+    rng = torch.Generator()
+    rng.set_state(info["rng"].clone())
+    pending = {int(info["pending_step"]): info["pending_images"].to(dev)} if "pending_images" in info else {}
+    metrics = {k.removeprefix("metric/"): float(v) for k, v in info.items() if k.startswith("metric/")}
+    return SiteState(teacher, disc, opt, privacy, float(info["noise_multiplier"]), rng,
+                     int(info["releases"]), pending, metrics)
+
+
 def teacher_copy(state: SiteState) -> torch.nn.Module:
     """A copy of the site's teacher (for the simulation's Standalone evaluation only)."""
     return copy.deepcopy(state.teacher)

@@ -217,3 +217,24 @@ def test_factory_reads_the_simulation_settings():
     assert method.privacy.epsilon == 5.0 and method.privacy.clip_norm == 0.5
     with pytest.raises(ConfigError):
         build_fediod("fediod", FUNDUS, ["a"], {"image_size": 30})
+
+
+def test_a_site_rebuilt_from_its_weight_dicts_answers_as_before():
+    # Prepare: a transport that keeps only weight dicts between messages (save_site_state does)
+    from engine.fl.exchange import Request
+
+    site = tiny_sites(1)[0]
+    site.state["privacy"] = PrivacySetting(noise_multiplier=1.0)
+    method = tiny_method([site])
+    method.answer(Request("setup", config={**method._setup_config(), "seed": 1}), site)
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    method.answer(Request("query", {"images": x}, {"step": 0}), site)
+    kept = {k: v for k, v in site.state.items() if isinstance(v, dict)}
+    twin = SiteRuntime(site.name, 0, site.train, {**kept, "teacher_factory": site.state["teacher_factory"]})
+    gz, gd = torch.randn(2, 2, 32, 32), torch.randn(2, 1, 4, 4)
+    # Execute
+    original = method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), site)
+    rebuilt = method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), twin)
+    # Assert: same gradient, same noise draw, same release count
+    assert torch.equal(original.tensors["input_grad"], rebuilt.tensors["input_grad"])
+    assert twin.state[STATE_KEY].releases == site.state[STATE_KEY].releases == 1
