@@ -213,7 +213,8 @@ class FedIOD(ExchangeMethod):
             w = torch.randn(c.batch, c.z_dim, generator=noise).to(device)
             x = generator(w)
             answers = yield {self.site_names[i]: Request("query", {"images": x.detach().cpu()},
-                                                         {"step": global_step}) for i in active}
+                                                         {"step": global_step, "round": rnd, "steps": c.steps})
+                             for i in active}
             ok = [i for i in active if isinstance(answers.get(self.site_names[i]), Reply)]
             if not ok:
                 log.warning("fediod round %d step %d: no site answered", rnd, step)
@@ -300,6 +301,11 @@ class FedIOD(ExchangeMethod):
         if request.action == "query":
             logits, scores, d_loss = answer_query(state, site.train, request.tensors["images"], step)
             mirror_state(site, state, teacher=False)
+            if progress is not None:
+                steps = int(request.config.get("steps", 0))
+                progress({"event": "batch", "method": self.name, "round": int(request.config.get("round", 0)),
+                          "site": site.name, "batch": step % steps + 1 if steps else step + 1,
+                          "batches": steps, "loss": {"discriminator": round(d_loss, 5)}})
             return Reply({"logits": logits, "scores": scores}, {"d_loss": d_loss}, n)
         if request.action == "gradient":
             grad = answer_gradient(state, step, request.tensors["logit_grad"], request.tensors["score_grad"])

@@ -52,6 +52,8 @@ class SiteState:
     releases: int = 0
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
     teacher_metrics: dict[str, float] = field(default_factory=dict)
+    #: (step, images with grad, logits, scores) of the last query, graph kept for its gradient
+    graph: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def epsilon(self) -> float:
@@ -178,11 +180,14 @@ def answer_query(state: SiteState, data: SplitArrays, images: torch.Tensor, step
         loss.backward()
         state.optimizer.step()
         d_loss = float(loss.detach())
+    # The forward pass keeps its graph for the gradient request that follows (one teacher pass
+    # per step instead of two); a site rebuilt from its weight dicts recomputes it.
+    xg = x.clone().requires_grad_(True)
+    logits = state.teacher(xg).float()
+    scores = state.discriminator(xg).float()
     state.pending = {step: x}
-    with torch.no_grad():
-        logits = state.teacher(x).float()
-        scores = state.discriminator(x).float()
-    return logits.cpu(), scores.cpu(), d_loss
+    state.graph = (step, xg, logits, scores)
+    return logits.detach().cpu(), scores.detach().cpu(), d_loss
 
 
 def answer_gradient(state: SiteState, step: int, logit_grad: torch.Tensor, score_grad: torch.Tensor
@@ -198,9 +203,13 @@ def answer_gradient(state: SiteState, step: int, logit_grad: torch.Tensor, score
     if x is None:
         raise FedSMError(f"no images of step {step} are waiting for a gradient at this site; "
                          "the coordinator must send the query first")
-    x = x.clone().requires_grad_(True)
-    logits = state.teacher(x).float()
-    scores = state.discriminator(x).float()
+    graph, state.graph = state.graph, None
+    if graph is not None and graph[0] == step:
+        _, x, logits, scores = graph
+    else:
+        x = x.clone().requires_grad_(True)
+        logits = state.teacher(x).float()
+        scores = state.discriminator(x).float()
     if logit_grad.shape != logits.shape or score_grad.shape != scores.shape:
         raise FedSMError(f"gradient request shapes {tuple(logit_grad.shape)}, {tuple(score_grad.shape)} do not "
                          f"match the answers {tuple(logits.shape)}, {tuple(scores.shape)}")
