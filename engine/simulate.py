@@ -266,6 +266,7 @@ class Simulation:
         site segments with the result; ``report_extra(state, runtimes)`` (when the method has
         it) adds method-specific results, and a ``"bundle"`` among them is saved with the report.
         """
+        from engine.federation.exchange_ledger import LedgerWriter
         from engine.federation.inprocess import run_exchange_rounds
         from engine.fl.evaluation import dice_per_case
         from engine.fl.registry import build_exchange_method
@@ -274,8 +275,12 @@ class Simulation:
         method = build_exchange_method(name, self.task, [s.name for s in self.sites], asdict(self.cfg))
         runtimes = self._runtimes()
         self._attach_round_hook(method, runtimes)
-        state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,
-                                             cancel=self.cancel)
+        ledger = LedgerWriter(method, self.out_dir / f"{name}-ledger.jsonl")  # what every exchange carried
+        try:
+            state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,
+                                                 cancel=self.cancel, recorder=ledger)
+        finally:
+            ledger.close()
         predict = method.segmenter(state, runtimes, self.cfg.device)
         per_site, client_avg, pooled = self._evaluate(predict)
         report_extra = getattr(method, "report_extra", None)

@@ -190,6 +190,12 @@ def test_a_run_sends_only_declared_answers_and_reports_epsilon_per_site():
     assert eps["site2"] == pytest.approx(epsilon_spent(2.0, 2), rel=1e-9)
     extra = method.report_extra(state, sites)
     assert extra["releases"] == {"site1": 2, "site2": 2}
+    from engine.federation.exchange_ledger import ledger_entry
+
+    entry = ledger_entry(method, next(r for r in seen if r.action == "gradient"))
+    assert list(entry["sent"]) == ["input_grad"] and entry["sent"]["input_grad"]["shape"] == [2, 3, 32, 32]
+    assert "w.r.t. the generated images only" in entry["sent"]["input_grad"]["what"]
+    assert entry["bytes_sent"] == 2 * 3 * 32 * 32 * 4
     masks = method.segmenter(state, sites, "cpu")(0, sites[0].train.images)
     assert masks.shape == sites[0].train.masks.shape and set(np.unique(masks)) <= {0, 1}
 
