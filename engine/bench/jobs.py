@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
 
 #: Analyses, in the order the runner does them.
-ANALYSES = ("main", "lam", "unseen", "personalization")
+ANALYSES = ("main", "lam", "unseen", "personalization", "fediod")
 
 
 def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
@@ -76,6 +76,10 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str) 
         settings["softpull_lam"] = sweep_lam(lam_of(key.method))
     if key.analysis == "unseen":
         settings["unseen_site"] = preset.unseen_site
+    if key.analysis == "fediod":
+        from engine.bench.fediod_bench import fediod_settings
+
+        settings["fediod"] = fediod_settings(preset, key)
     if key.analysis == "personalization":
         from engine.fl.personalization import PersonalizationConfig
 
@@ -281,6 +285,10 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     if key.analysis == "personalization":
         out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False)
         return out
+    if key.analysis == "fediod":
+        from engine.bench.fediod_bench import run_fediod_job
+
+        return run_fediod_job(ctx, key)
     from engine.errors import ConfigError
 
     raise ConfigError(f"unknown benchmark analysis {key.analysis!r}; choose from {', '.join(ANALYSES)}")

@@ -60,6 +60,10 @@ class BenchPreset:
         Seeds of the lam sweep, unseen-site and personalization runs.
     perf
         Whether to measure speed, traffic and memory (:mod:`engine.bench.perf`).
+    fediod_seeds, fediod_steps, fediod_epsilons, fediod_teacher_epochs
+        The FedIOD analysis (:mod:`engine.bench.fediod_bench`): its seeds (none = skipped),
+        distillation steps over the whole run, the epsilon targets of the Dice-vs-epsilon runs,
+        and the teachers' epoch cap.
     """
 
     name: str
@@ -84,6 +88,10 @@ class BenchPreset:
     perf_batches: int = 6
     perf_repeats: int = 3
     perf_memory: bool = True
+    fediod_seeds: tuple[int, ...] = ()
+    fediod_steps: int = 120
+    fediod_epsilons: tuple[float, ...] = ()
+    fediod_teacher_epochs: int = 20
     description: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -124,6 +132,16 @@ PRESETS: dict[str, BenchPreset] = {
         tasks=(TaskPreset("fundus", sites=6, image_size=256, rounds=150, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=256, rounds=150, slices=12, lam=0.3)),
         seeds=(0, 1, 2), batch_size=8, analysis_seeds=(0, 1, 2), perf_image_size=256,
+        fediod_seeds=(0, 1, 2), fediod_steps=3000, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=100,
+    ),
+    "fediod-cpu": BenchPreset(
+        name="fediod-cpu",
+        description="FedIOD's tables alone at CPU scale: Table 2 shape (Standalone, Centralized, FedAvg, FedSM, "
+                    "FedIOD; Dice and HD95) and student Dice against epsilon, 4 sites per task, 1 seed",
+        tasks=(TaskPreset("fundus", sites=4, image_size=48, rounds=6, lam=0.7),
+               TaskPreset("prostate", sites=4, image_size=32, rounds=5, slices=6, lam=0.3)),
+        methods=(), seeds=(), lam_values=(), personalizations=(), analysis_seeds=(), perf=False,
+        fediod_seeds=(0,), fediod_steps=120, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=20,
     ),
 }
 

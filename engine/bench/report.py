@@ -430,6 +430,13 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
     lines += ["## Analyses"]
     for tp in preset.tasks:
         lines += _analysis_sections(results, preset, tp.task, img, docs)
+    from engine.bench.fediod_bench import fediod_section
+
+    for tp in preset.tasks:
+        section = fediod_section(results, preset, tp.task)
+        if section:
+            lines += section
+            lines += provenance_line([k for k in results if k.task == tp.task and k.analysis == "fediod"], docs)
     lines += _perf_section(results, docs)
     lines += ["", "## Configuration", "", "```json", json.dumps(preset.to_json(), indent=1), "```", ""]
     return "\n".join(lines)

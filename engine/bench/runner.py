@@ -61,7 +61,9 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
                 if abs(sweep_lam(lam) - main_lam) < 1e-9 and seed in preset.seeds:
                     continue
                 jobs.append(JobKey(tp.task, "lam", lam_label(lam), seed))
-    return jobs
+    from engine.bench.fediod_bench import plan_fediod_jobs
+
+    return jobs + plan_fediod_jobs(preset)
 
 
 def _load_average() -> list[float] | None:

@@ -27,9 +27,11 @@ DOCS_PRESETS = ("cpu-small", "paper")
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``fedsm bench`` to the ``fedsm`` parser."""
     p = sub.add_parser("bench", help="benchmark the methods on synthetic multi-site data and write results.md")
-    p.add_argument("--preset", choices=["tiny", "cpu-small", "paper"], default="cpu-small",
+    from engine.bench.presets import PRESETS
+
+    p.add_argument("--preset", choices=list(PRESETS), default="cpu-small",
                    help="tiny: CI smoke test (seconds); cpu-small: the full study on a CPU (~an hour); "
-                        "paper: 256 px, 150 rounds, meant for a GPU")
+                        "paper: 256 px, 150 rounds, meant for a GPU; fediod-cpu: FedIOD's tables alone")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-PRESET)")
     p.add_argument("--fresh", action="store_true", help="ignore cached job results and run everything again")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
