@@ -103,14 +103,38 @@ def validate_data(datalists: list[Path], convention: str | None = None, task: st
     return validate_datalists([Path(p) for p in datalists], convention=convention, task=task, progress=progress)
 
 
+def build_datalist(images_dir: Path, masks_dir: Path, out: Path, **options: Any) -> Any:
+    """Pair images with masks by name, split by case (seeded) and write a datalist (``fedsm datalist``).
+
+    ``options`` are :func:`engine.data.datalist_builder.build_datalist`'s keywords (task, convention,
+    name, split, seed, mask_suffix, case_pattern, allow_outside); returns its ``BuildResult``.
+    """
+    from engine.data.datalist_builder import build_datalist as build
+
+    return build(Path(images_dir), Path(masks_dir), Path(out), **options)
+
+
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
-          mask_format: str | None = None) -> dict[str, Any]:
-    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``."""
+          mask_format: str | None = None, force_model: str | None = None) -> dict[str, Any]:
+    """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``.
+
+    ``force_model`` (``"global"`` or a site name) sends every image to that model instead of routing.
+    """
     from engine.inference.run import infer_path
 
     return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
-                      cancel=cancel, mask_format=mask_format)
+                      cancel=cancel, mask_format=mask_format, force_model=force_model)
+
+
+def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_choice: str = "routed",
+             gamma: float | None = None, device: str = "auto",
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Dice and HD95 of a bundle against the expert masks of site datalists (``fedsm evaluate``)."""
+    from engine.inference.evaluate import evaluate_bundle
+
+    return evaluate_bundle(Path(model), [Path(p) for p in datalists], split=split, model_choice=model_choice,
+                           gamma=gamma, device=device, progress=progress)
 
 
 def read_bundle_metadata(path: Path) -> dict[str, Any]:
@@ -176,12 +200,15 @@ def read_provenance(path: Path) -> Provenance:
 
 def benchmark(preset: str, out_dir: Path, *, fresh: bool = False, device: str = "auto", threads: int = 1,
               docs_dir: Path | None = None, command: str | None = None, progress: ProgressFn | None = None,
-              cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Run or resume ``fedsm bench`` (see :func:`engine.bench.runner.run_benchmark`); return its summary."""
+              cancel: Callable[[], bool] | None = None, **reduce: Any) -> dict[str, Any]:
+    """Run or resume ``fedsm bench`` (see :func:`engine.bench.runner.run_benchmark`); return its summary.
+
+    ``reduce`` (``tasks``, ``seeds``, ``methods``, ``main_only``) runs a reduced version of the preset.
+    """
     from engine.bench.runner import run_benchmark
 
     return run_benchmark(preset, Path(out_dir), fresh=fresh, device=device, threads=threads, docs_dir=docs_dir,
-                         command=command, progress=progress, cancel=cancel)
+                         command=command, progress=progress, cancel=cancel, **reduce)
 
 
 def describe_device(device: str = "auto") -> dict[str, Any]:

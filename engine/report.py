@@ -117,6 +117,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():
             title = METHOD_TITLES.get(name, name)
+            if s.get("error"):
+                lines.append(f"- {title}: not written ({s['error']})")
+                continue
             lines.append(f"- {title}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
 
@@ -150,7 +153,10 @@ def fediod_section(result: dict[str, Any], sites: list[str], structures: list[st
 
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:
     """Write ``report.json`` and ``report.md`` atomically."""
+    from engine.io.privacy import scrub_absolute_paths
     from engine.simulate import report_json
 
+    # Folder names can name patients or sites: the report keeps no absolute path.
+    report = scrub_absolute_paths(report, out_dir)
     write_text_atomic(Path(out_dir) / "report.json", report_json(report) + "\n")
     write_text_atomic(Path(out_dir) / "report.md", render_markdown(report))

@@ -22,3 +22,20 @@ def random_split(n: int, channels: int = 3, labels: int = 2, size: int = 32, see
     images = np.clip(rng.random((n, channels, size, size), dtype=np.float32) * 0.5 + shift, 0, 1).astype(np.float32)
     masks = (rng.random((n, labels, size, size)) > 0.7).astype(np.float32)
     return SplitArrays(images, masks, np.arange(n, dtype=np.int64))
+
+
+def write_photo_site(root: Path, stems: list[str], mask_name: str = "{stem}.png", size: int = 24) -> Path:
+    """``root/images/<stem>.png`` photos and ``root/masks/...`` ORIGA label maps (disc with a cup)."""
+    from PIL import Image
+
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir(parents=True)
+    yy, xx = np.mgrid[:size, :size]
+    for i, stem in enumerate(stems):
+        r = (yy - size / 2) ** 2 + (xx - size / 2 - i % 3) ** 2
+        label = np.where(r < (size / 3) ** 2, 1, 0).astype(np.uint8)
+        label[r < (size / 6) ** 2] = 2
+        photo = np.stack([80 + 100 * (label > 0), 40 + 60 * (label == 2), np.full_like(label, 30)], -1)
+        Image.fromarray(photo.astype(np.uint8)).save(root / "images" / f"{stem}.png")
+        Image.fromarray(label).save(root / "masks" / mask_name.format(stem=stem))
+    return root

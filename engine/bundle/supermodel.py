@@ -8,12 +8,6 @@ Tensors are namespaced by the part of the super model they belong to::
     personal.<site>.<key>    site ``<site>``'s personalized U-Net (site names contain no dots)
     selector.<key>           the model selector
 
-A *single-model* bundle (``method = "fediod"``, ``routing = "single"``: FedIOD's distilled
-student, :mod:`engine.fl.fediod`) holds only ``global.<key>``: no personalized model and no
-selector; ``site_names`` are then the sites whose teachers it learnt from, and
-``extra["distilled"]`` / ``extra["epsilon"]`` say how it was trained and with which privacy
-budget per site (``null`` where a site added no noise).
-
 The :class:`BundleMetadata` is one JSON string stored under the safetensors metadata key
 ``"fedsm"``. safetensors is a flat, pickle-free format: loading a bundle can never execute code,
 whoever wrote the file.
@@ -36,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import engine
-from engine.errors import BundleError, ConfigError
+from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
 from engine.tasks import get_task
 
@@ -52,11 +46,14 @@ BUNDLE_FORMAT_VERSION = 1
 #: safetensors metadata key holding the :class:`BundleMetadata` JSON.
 METADATA_KEY = "fedsm"
 
-METHODS = ("fedsm", "fedsm-extra", "fediod")
-ROUTINGS = ("gamma", "argmax", "single")
+#: Methods whose result is one global model: a *single-model bundle* (routing ``"none"``: no
+#: selector, no personalized models; ``site_names`` are the sites that trained it).
+SINGLE_MODEL_METHODS = ("fedavg", "fedprox", "scaffold", "centralized", "fediod")
+METHODS = ("fedsm", "fedsm-extra", *SINGLE_MODEL_METHODS)
+ROUTINGS = ("gamma", "argmax", "none")
 #: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models;
-#: FedIOD's distilled student is one model (no selector, nothing to route).
-ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", "fediod": "single"}
+#: single-model bundles do not route.
+ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
@@ -168,20 +165,26 @@ class BundleMetadata:
 
     @property
     def selector_classes(self) -> int:
-        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing, 1 for a single model."""
-        if self.routing == "single":
-            return 1
+        """Outputs of the selector: K for gamma routing, K+1 (global first) for argmax routing, 0 without one."""
+        if self.routing == "none":
+            return 0
         return self.num_sites + (1 if self.routing == "argmax" else 0)
 
     @property
     def single_model(self) -> bool:
-        """True for a one-model bundle (``global.*`` only; e.g. FedIOD's distilled student)."""
-        return self.routing == "single"
+        """Whether this is a single-model bundle (FedAvg, FedProx, Scaffold: the global model only)."""
+        return self.routing == "none"
+
+    @property
+    def personal_sites(self) -> list[str]:
+        """Sites with a personalized model in the bundle: all of ``site_names``, none for a single model."""
+        return [] if self.single_model else list(self.site_names)
 
     @property
     def model_names(self) -> list[str]:
-        """Name of every routable model by index: ``["global", site_1, ..., site_K]`` (``["global"]`` for one model)."""
-        return ["global"] if self.single_model else ["global", *self.site_names]
+        """Name of every routable model by index: ``["global", site_1, ..., site_K]`` (``["global"]`` alone
+        for a single-model bundle)."""
+        return ["global", *self.personal_sites]
 
     def validate(self) -> None:
         """Check every field and their consistency; raise :class:`ConfigError` on the first problem."""
@@ -262,10 +265,15 @@ class BundleMetadata:
         BundleError
             When the text is not FedSM metadata, comes from a newer FedSM, or is inconsistent.
         """
+        from engine.io.guard import load_json
+
+        if not isinstance(text, str):
+            raise BundleError(f"its FedSM metadata is a {type(text).__name__}, not JSON text; it was not written by "
+                              "FedSM")
         try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise BundleError(f"its FedSM metadata is not valid JSON ({exc})") from exc
+            raw = load_json(text, "its FedSM metadata")
+        except DataError as exc:
+            raise BundleError(str(exc)) from None
         if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
             raise BundleError(f"it was not written by FedSM (metadata format is not {BUNDLE_FORMAT!r})")
         # The version is checked before anything else: a newer layout may have other fields.
@@ -283,6 +291,9 @@ class BundleMetadata:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise BundleError(f"its metadata has unknown fields {unknown}; it may come from a newer FedSM")
+        from engine.bundle.schema import check_metadata
+
+        check_metadata(raw)
         try:
             return cls(**raw)
         except TypeError as exc:
@@ -347,24 +358,17 @@ def _flatten(bundle: SuperModelBundle) -> dict[str, torch.Tensor]:
     tensor whose storage was already seen is cloned.
     """
     meta = bundle.metadata
-    declared, given = set(meta.site_names), set(bundle.personal_weights)
-    if meta.single_model:
-        if bundle.personal_weights or bundle.selector_weights:
-            raise ConfigError("a single-model bundle holds only the global model; leave personal and selector "
-                              "weights empty")
-        return _namespaced([("global", bundle.global_weights)])
+    declared, given = set(meta.personal_sites), set(bundle.personal_weights)
     if declared != given:
         raise ConfigError(
             f"personal weights are for sites {sorted(given)} but metadata declares {meta.site_names}; "
             "give one personalized model per declared site"
         )
     parts: list[tuple[str, dict[str, torch.Tensor]]] = [("global", bundle.global_weights)]
-    parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.site_names]
-    parts.append(("selector", bundle.selector_weights))
-    return _namespaced(parts)
+    parts += [(f"personal.{site}", bundle.personal_weights[site]) for site in meta.personal_sites]
+    if not meta.single_model:
+        parts.append(("selector", bundle.selector_weights))
 
-
-def _namespaced(parts: list[tuple[str, dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
     flat: dict[str, torch.Tensor] = {}
     seen_storage: set[int] = set()
     for prefix, weights in parts:
@@ -433,10 +437,12 @@ def _read_header(path: Path) -> dict[str, Any]:
             header_bytes = fh.read(header_len)
     except OSError as exc:
         raise BundleError(f"{path}: cannot be read ({exc}); check permissions") from exc
+    from engine.io.guard import load_json
+
     try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise BundleError(f"{not_safetensors} [header is not JSON]") from None
+        header = load_json(header_bytes, "header")
+    except DataError as exc:
+        raise BundleError(f"{not_safetensors} [{exc}]") from None
     if not isinstance(header, dict):
         raise BundleError(f"{not_safetensors} [header is not a JSON object]")
     data_len = size - 8 - header_len
@@ -467,7 +473,7 @@ def read_metadata(path: PathLike) -> BundleMetadata:
     p = Path(path)
     header = _read_header(p)
     meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or METADATA_KEY not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
         raise BundleError(
             f"{p}: this safetensors file was not written by FedSM (it has no {METADATA_KEY!r} metadata); "
             "choose a super-model bundle exported by FedSM"
@@ -497,7 +503,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
     metadata = read_metadata(p)
     global_weights: dict[str, torch.Tensor] = {}
     selector_weights: dict[str, torch.Tensor] = {}
-    personal: dict[str, dict[str, torch.Tensor]] = {site: {} for site in metadata.site_names}
+    personal: dict[str, dict[str, torch.Tensor]] = {site: {} for site in metadata.personal_sites}
     try:
         with safe_open(str(p), framework="pt", device="cpu") as fh:
             for name in fh.keys():
@@ -511,7 +517,7 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
                     if site not in personal:
                         raise BundleError(
                             f"{p}: holds weights for site {site!r}, which its metadata does not declare "
-                            f"(sites: {metadata.site_names}); the file is inconsistent, export it again"
+                            f"(sites: {metadata.personal_sites}); the file is inconsistent, export it again"
                         )
                     personal[site][key] = fh.get_tensor(name)
                 else:
@@ -523,13 +529,11 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
         raise BundleError(
             f"{p}: the safetensors data is corrupt ({exc}); copy or export the bundle again"
         ) from exc
-    missing = [] if metadata.single_model else [f"site {site!r}" for site, w in personal.items() if not w]
+    missing = [f"site {site!r}" for site, w in personal.items() if not w]
     if not global_weights:
         missing.insert(0, "the global model")
     if not selector_weights and not metadata.single_model:
         missing.append("the model selector")
-    if metadata.single_model:
-        personal = {}
     if missing:
         raise BundleError(
             f"{p}: has no weights for {', '.join(missing)}; the file is incomplete, export it again"

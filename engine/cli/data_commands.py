@@ -33,7 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", choices=["fundus", "prostate"], default=None,
                    help="the task the data is for (default: the datalist's 'task', else from its first image)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    add_allow_outside(p)
     p.set_defaults(handler=validate_data_command)
+
+
+def add_allow_outside(p: argparse.ArgumentParser) -> None:
+    """Add ``--allow-outside`` (datalists may name files outside their own folder) to a command."""
+    p.add_argument("--allow-outside", action="store_true",
+                   help="let datalists name files outside their own folder (absolute paths, '..', symbolic "
+                        "links); by default every image and mask must lie inside the datalist's folder")
 
 
 def _short(path: str, base: Path) -> str:
@@ -77,9 +85,11 @@ def format_report(report: dict[str, Any]) -> str:
 def validate_data_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm validate-data``."""
     from engine.cli.main import setup_logging
+    from engine.data.datalist import outside_paths_allowed
 
     setup_logging(args.verbose)
-    report = api.validate_data(args.datalists, convention=args.convention, task=args.task)
+    with outside_paths_allowed(args.allow_outside):
+        report = api.validate_data(args.datalists, convention=args.convention, task=args.task)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -22,7 +22,10 @@ from engine.errors import CancelledError, FedSMError
 log = logging.getLogger("engine.cli")
 
 #: Modules whose ``register(subparsers)`` adds more commands; imported only to build the parser.
-COMMAND_MODULES = ("engine.cli.data_commands", "engine.cli.federation_commands", "engine.cli.bench_command")
+COMMAND_MODULES = (
+    "engine.cli.data_commands", "engine.cli.federation_commands", "engine.cli.bench_command",
+    "engine.cli.workflow_commands",
+)
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -59,7 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
     p.add_argument("--prox-mu", type=float, default=0.01)
-    p.add_argument("--extra-rounds", type=int, default=None, help="FedSM-extra selector rounds (default = rounds)")
+    p.add_argument("--extra-rounds", type=int, default=None,
+                   help="FedSM-extra selector rounds (default: rounds/2 rounded up, as the paper's 100 + 50)")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine", "step"], default="constant",
+                   help="U-Net learning rate over the training rounds (cosine: down to lr x --lr-min-ratio)")
+    p.add_argument("--lr-min-ratio", type=float, default=0.01, help="final lr of the cosine schedule, as a share")
+    p.add_argument("--loss", choices=["dice", "dicece"], default="dice", help="segmentation loss")
+    p.add_argument("--no-keep-best", dest="keep_best", action="store_false",
+                   help="evaluate the last round's models instead of each method's best round by validation Dice")
+    p.add_argument("--data", type=Path, nargs="+", default=None, metavar="DATALIST_OR_DIR",
+                   help="real sites: datalist JSON files, or folders holding them (DIR/*.json, DIR/*/datalist.json),"
+                        " one datalist per site (see 'fedsm datalist'); default: synthetic sites in OUT/data")
+    p.add_argument("--allow-outside", action="store_true",
+                   help="let datalists name files outside their own folder")
     p.add_argument("--fediod-steps", type=int, default=100, help="FedIOD distillation steps per round")
     p.add_argument("--fediod-batch", type=int, default=8, help="FedIOD generated images per step")
     p.add_argument("--teacher-epochs", type=int, default=20, help="FedIOD teachers' epoch cap (early stopping)")
@@ -69,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-epsilon", type=float, default=None,
                    help="FedIOD sites' epsilon target for the run (instead of --dp-noise)")
     p.add_argument("--dp-clip", type=float, default=1.0, help="FedIOD sites' clipping norm of one release")
-    p.add_argument("--data", type=Path, default=None, help="data folder (default OUT/data; created if needed)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", type=Path, required=True)
 
@@ -82,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--format", dest="mask_format", choices=["nifti", "png", "dicom-seg"], default=None,
                    help="mask format (default: nifti for volumes, png for photos; dicom-seg needs DICOM input)")
+    p.add_argument("--model-choice", default="routed", metavar="routed|global|SITE",
+                   help="routed (default: the selector picks per image), global, or a site's name (its "
+                        "personalized model; also personal:SITE)")
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -102,6 +119,22 @@ def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
         root.addHandler(handler)
 
 
+def _simulation_data(data: list[Path] | None) -> tuple[str | None, tuple[str, ...]]:
+    """``--data`` as ``(synthetic data folder, real datalists)``: one of the two, or neither (synthetic in OUT/data).
+
+    A folder FedSM generated earlier (it holds ``federation.json``) stays a synthetic data cache;
+    anything else must hold real datalists, and FedSM never writes into it.
+    """
+    from engine.data.datalist_builder import find_datalists
+    from engine.data.synth import FEDERATION_FILE
+
+    if not data:
+        return None, ()
+    if len(data) == 1 and (data[0] / FEDERATION_FILE).is_file():
+        return str(data[0]), ()
+    return None, tuple(str(p) for p in find_datalists(data))
+
+
 def _run(args: argparse.Namespace) -> int:
     handler = getattr(args, "handler", None)
     if handler is not None:
@@ -114,20 +147,25 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "simulate":
         from engine.cli.progress import TerminalProgress
+        from engine.data.datalist import outside_paths_allowed
 
+        data_dir, datalists = _simulation_data(args.data)
         setup_logging(args.verbose, args.out / "simulate.log")
         progress = TerminalProgress(args.out / "events.jsonl")
         try:
-            report = api.simulate(
-                out_dir=args.out, progress=progress, task=args.task, sites=args.sites, rounds=args.rounds,
-                methods=args.methods, image_size=args.image_size, seed=args.seed, lam=args.lam,
-                gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                selector_lr=args.selector_lr, selector_size=args.selector_size,
-                selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
-                fediod_steps=args.fediod_steps, fediod_batch=args.fediod_batch,
-                teacher_epochs=args.teacher_epochs, teacher_patience=args.teacher_patience,
-                dp_noise=args.dp_noise, dp_epsilon=args.dp_epsilon, dp_clip=args.dp_clip,
-                device=args.device, data_dir=str(args.data) if args.data else None)
+            with outside_paths_allowed(args.allow_outside):
+                report = api.simulate(
+                    out_dir=args.out, progress=progress, task=args.task, sites=args.sites, rounds=args.rounds,
+                    methods=args.methods, image_size=args.image_size, seed=args.seed, lam=args.lam,
+                    gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                    selector_lr=args.selector_lr, selector_size=args.selector_size,
+                    selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
+                    lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,
+                    keep_best=args.keep_best,
+                    fediod_steps=args.fediod_steps, fediod_batch=args.fediod_batch,
+                    teacher_epochs=args.teacher_epochs, teacher_patience=args.teacher_patience,
+                    dp_noise=args.dp_noise, dp_epsilon=args.dp_epsilon, dp_clip=args.dp_clip,
+                    device=args.device, data_dir=data_dir, datalists=datalists)
         finally:
             progress.close()
         print((args.out / "report.md").read_text(encoding="utf-8"))
@@ -136,8 +174,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "infer":
         setup_logging(args.verbose)
+        choice = args.model_choice.strip()
+        force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
-                            mask_format=args.mask_format)
+                            mask_format=args.mask_format, force_model=force)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -37,6 +39,44 @@ PATH_KEYS: tuple[str, ...] = ("image", "label")
 
 Scalar = str | int | float | bool | None
 _SCALARS = (str, int, float, bool, type(None))
+
+#: Whether datalists read in this context may name files outside their own folder (``--allow-outside``).
+_ALLOW_OUTSIDE: ContextVar[bool] = ContextVar("fedsm_datalist_allow_outside", default=False)
+
+
+@contextmanager
+def outside_paths_allowed(allow: bool = True) -> Iterator[None]:
+    """Within the block, datalists may name files outside their folder (the CLI's ``--allow-outside``).
+
+    By default every path of a datalist must lie inside the datalist's own folder (after ``..``
+    and symbolic links are resolved), so a datalist handed over with a site folder cannot make a
+    site read, or train on, files elsewhere on the machine.
+    """
+    token = _ALLOW_OUTSIDE.set(bool(allow))
+    try:
+        yield
+    finally:
+        _ALLOW_OUTSIDE.reset(token)
+
+
+def _check_inside(p: Path, where: str, text: str, resolved: Path, base: Path) -> None:
+    """Refuse a path that leaves the datalist's folder, unless outside paths are allowed."""
+    if _ALLOW_OUTSIDE.get():
+        return
+    how = None
+    if Path(text).is_absolute() or PureWindowsPath(text).is_absolute():
+        how = "is an absolute path"
+    else:
+        base = Path(os.path.normpath(base))
+        real_base = Path(os.path.realpath(base))
+        if os.path.commonpath([str(resolved), str(base)]) != str(base):
+            how = "leaves the datalist's folder with '..'"
+        elif os.path.commonpath([os.path.realpath(resolved), str(real_base)]) != str(real_base):
+            how = "leads outside the datalist's folder through a symbolic link"
+    if how:
+        raise DataError(f"{p}: {where} {text!r} {how}; a datalist names files inside its own folder "
+                        f"({base}). Move the datalist up to a folder that holds the data, or pass "
+                        "--allow-outside if files outside it are intended")
 
 
 def _to_relative(value: str | os.PathLike[str], base: Path) -> str:
@@ -130,13 +170,24 @@ def _check_scalar(path: Path, key: str, value: Any) -> None:
                         f"got {type(value).__name__}")
 
 
+def _depth_checked(path: Path, text: str) -> str:
+    """``text`` when its JSON nesting is within :data:`engine.io.guard.MAX_JSON_DEPTH` (no RecursionError)."""
+    from engine.io.guard import MAX_JSON_DEPTH, json_depth
+
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise DataError(f"{path}: JSON nested {depth} levels deep, more than the {MAX_JSON_DEPTH} a datalist may "
+                        "have; the file is damaged or not a datalist")
+    return text
+
+
 def _read_json(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: datalist not found; check the path, or write one with the site's "
                         "images and labels (see engine.data.datalist)")
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        doc = json.loads(_depth_checked(p, p.read_text(encoding="utf-8")))
     except UnicodeDecodeError as exc:
         raise DataError(f"{p}: not a UTF-8 text file ({exc}); a datalist is a JSON file") from exc
     except json.JSONDecodeError as exc:
@@ -147,6 +198,9 @@ def _read_json(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise DataError(f"{p}: a datalist must be a JSON object with a 'training' list, "
                         f"got a JSON {type(doc).__name__}")
+    from engine.data.datalist_schema import check_datalist_document
+
+    check_datalist_document(p, doc)
     return p, doc
 
 
@@ -179,6 +233,7 @@ def _parse_sections(p: Path, doc: dict[str, Any]) -> dict[str, list[dict[str, An
                         raise DataError(f"{p}: {key}[{i}].{k} must be a non-empty path string, "
                                         f"got {json.dumps(v)[:60]}")
                     parsed[k] = _resolve(v, base)
+                    _check_inside(p, f"{key}[{i}].{k}", v, parsed[k], base)
                 else:
                     parsed[k] = v if isinstance(v, str) else json.dumps(v)
             entries.append(parsed)

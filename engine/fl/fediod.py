@@ -383,19 +383,15 @@ class FedIOD(ExchangeMethod):
         ``extra`` adds free-form details (e.g. the seed); ``val_dice`` is the student's
         validation Dice per site where measured.
         """
-        from engine.bundle import BundleMetadata, SuperModelBundle
+        from engine.bundle.single import single_model_bundle
 
         p = state["privacy"]
-        meta = BundleMetadata(
-            task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
-            image_size=self.config.image_size, selector_size=32, site_names=list(self.site_names),
-            normalisation=self.task.normalisation, method="fediod", routing="single", rounds=self.rounds,
-            val_dice=dict(val_dice or {}),
-            extra={"distilled": True, "epsilon": self.epsilons(state),
-                   "delta": {s: float(p["delta"][i]) for i, s in enumerate(self.site_names)},
-                   "noise_multiplier": {s: float(p["noise_multiplier"][i]) for i, s in enumerate(self.site_names)},
-                   "distillation_steps": self.config.steps * self.rounds, **dict(extra or {})})
-        return SuperModelBundle(meta, dict(state["student"]), {}, {})
+        return single_model_bundle(
+            self.task.name, "fediod", state["student"], self.site_names, self.config.image_size, self.rounds,
+            val_dice, {"distilled": True, "epsilon": self.epsilons(state),
+                       "delta": {s: float(p["delta"][i]) for i, s in enumerate(self.site_names)},
+                       "noise_multiplier": {s: float(p["noise_multiplier"][i]) for i, s in enumerate(self.site_names)},
+                       "distillation_steps": self.config.steps * self.rounds, **dict(extra or {})})
 
 
 def _finite_or_none(value: float) -> float | None:

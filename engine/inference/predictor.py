@@ -140,13 +140,13 @@ class SuperModelPredictor:
         self.global_net = build_segmentation_net(meta.in_channels, len(meta.label_names))
         _fit_weights(self.global_net, bundle.global_weights, f"global model ({layout})", where)
         self.personal_nets: list[nn.Module] = []
-        # a single-model bundle (FedIOD's student) has no personalized models and no selector
-        self.selector: nn.Module | None = None
-        for site in [] if meta.single_model else meta.site_names:
+        for site in meta.personal_sites:
             net = build_segmentation_net(meta.in_channels, len(meta.label_names))
             what = f"personalized model of site {site!r} ({layout})"
             _fit_weights(net, bundle.personal_weights[site], what, where)
             self.personal_nets.append(net)
+        # A single-model bundle (FedAvg, FedProx, Scaffold) has no selector: every image goes to the global model.
+        self.selector: nn.Module | None = None
         if not meta.single_model:
             self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
             _fit_weights(
@@ -257,25 +257,24 @@ class SuperModelPredictor:
             if cancel is not None and cancel():
                 raise CancelledError(f"inference cancelled during {stage} after {done} of {total} steps")
 
-        probs = np.zeros((n, meta.selector_classes), dtype=np.float32)
+        # single model: one "choice", the global model, with probability 1 (there is nothing to choose)
+        probs = np.zeros((n, max(meta.selector_classes, 1)), dtype=np.float32)
+        if self.selector is None:
+            probs[:] = 1.0
         masks = np.zeros((n, len(meta.label_names), height, width), dtype=np.uint8)
         with torch.inference_mode(), self._autocast():
-            selector = self.selector
-            if selector is None:  # one model: every image goes to it, with certainty
-                probs[:] = 1.0
-                step(n)
-            else:
-                for sl in _batches(n, batch_size):
-                    check_cancel("model selection")
-                    x = self._to_device(resize_images(arr[sl], meta.selector_size))
-                    # Softmax in float32: under autocast the logits may be fp16.
-                    probs[sl] = torch.softmax(selector(x).float(), dim=1).cpu().numpy()
-                    step(sl.stop - sl.start)
+            for sl in _batches(n, batch_size) if self.selector is not None else ():
+                check_cancel("model selection")
+                x = self._to_device(resize_images(arr[sl], meta.selector_size))
+                # Softmax in float32: under autocast the logits may be fp16.
+                probs[sl] = torch.softmax(self.selector(x).float(), dim=1).cpu().numpy()
+                step(sl.stop - sl.start)
 
-            if force_model is not None:
-                routed = np.full(n, int(force_model), dtype=np.int64)
-            elif meta.single_model:
+            if self.selector is None:
                 routed = np.zeros(n, dtype=np.int64)
+                step(n)
+            elif force_model is not None:
+                routed = np.full(n, int(force_model), dtype=np.int64)
             elif meta.routing == "argmax":
                 routed = route_fedsm_extra(probs)
             else:

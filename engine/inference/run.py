@@ -23,6 +23,7 @@ from engine.inference.predictor import CancelCheck, ProgressCallback
 from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
 from engine.io.export import export_mask
+from engine.io.privacy import public_path
 from engine.io.provenance import utc_now
 from engine.io.study import Study
 from engine.tasks import TaskSpec, get_task
@@ -198,6 +199,7 @@ def infer_path(
     cancel: CancelCheck | None = None,
     batch_size: int = 16,
     mask_format: str | None = None,
+    force_model: str | None = None,
 ) -> dict[str, Any]:
     """Segment a photo, a volume, a DICOM series, or every such input in a folder.
 
@@ -231,6 +233,9 @@ def infer_path(
     mask_format
         ``"nifti"`` (``.nii.gz``), ``"png"`` (photos) or ``"dicom-seg"`` (``.dcm``, DICOM inputs);
         ``None``: NIfTI for volumes, PNG for photos.
+    force_model
+        ``None`` routes every image with the selector; ``"global"`` or a site's name sends every
+        image to that model (``fedsm infer --model-choice``).
 
     Returns
     -------
@@ -276,12 +281,14 @@ def infer_path(
         study = _open(item, cancel)
         # Correct the up-front estimate with the real number of axial slices.
         total += 2 * (study.num_slices - hints[n])
-        seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel)
+        seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel,
+                           force_model=force_model)
         offset += 2 * study.num_slices
         fmt = _resolve_format(mask_format, study.kind == "volume")
         mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
         record: dict[str, Any] = {
-            "input": str(item.path.resolve()),
+            # Relative to the input the user named (folders may name patients): no absolute path.
+            "input": public_path(item.path, source),
             "mask": mask_path.name,
             "format": fmt,
             "kind": "volume" if study.kind == "volume" else "image",
@@ -295,11 +302,12 @@ def infer_path(
         log.info("segmented %s -> %s", item.describe(), mask_path)
 
     result: dict[str, Any] = {
-        "bundle": {"path": str(bundle_file.resolve()), "sha256": loaded.sha256},
+        "bundle": {"path": bundle_file.name, "sha256": loaded.sha256},
         "task": meta.task,
         "method": meta.method,
         "routing": meta.routing,
         "gamma": (meta.gamma if gamma is None else float(gamma)) if meta.routing == "gamma" else None,
+        "forced_model": force_model,
         "device": str(loaded.predictor.device),
         "mixed_precision": loaded.predictor.use_amp,
         "created": utc_now(),

@@ -300,7 +300,7 @@ def segment_with(
     else:
         # (Z, L, X, Y) -> (L, Z, X, Y) -> (Z, X, Y) -> (X, Y, Z)
         label = slices_to_volume(masks_to_label_map(task, prediction.masks.transpose(1, 0, 2, 3)))
-    prob_names = model_names if meta.routing in ("argmax", "single") else list(meta.site_names)
+    prob_names = model_names if meta.routing in ("argmax", "none") else list(meta.site_names)
     return StudySegmentation(
         labels=LabelMap(array=label, names=label_names(task)),
         records=_records(prediction, model_names, prob_names),

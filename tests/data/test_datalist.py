@@ -5,7 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.data.datalist import load_datalist, load_datalist_with_info, read_datalist_info, write_datalist
+from engine.data.datalist import (
+    load_datalist,
+    load_datalist_with_info,
+    outside_paths_allowed,
+    read_datalist_info,
+    write_datalist,
+)
+from engine.data.datalist_schema import DATALIST_SCHEMA
 from engine.errors import DataError
 
 
@@ -22,7 +29,8 @@ def test_round_trip_stores_relative_posix_paths_and_resolves_them(tmp_path):
     # Execute
     write_datalist(path, sections, info={"name": "site1", "task": "fundus"})
     raw = json.loads(path.read_text())
-    loaded = load_datalist(path)
+    with outside_paths_allowed():  # "../shared" lies outside the site folder
+        loaded = load_datalist(path)
     # Assert: on disk relative with "/", in memory absolute and equal to what was given
     assert raw["training"][0] == {"image": "images/a.png", "label": "labels/a.png"}
     assert raw["validation"][0]["image"] == "../shared/extra.png"
@@ -82,7 +90,8 @@ def test_absolute_paths_in_file_are_kept(tmp_path):
     path = tmp_path / "dl.json"
     path.write_text(json.dumps({"training": [{"image": str(target), "label": str(target)}]}))
     # Execute / Assert
-    assert load_datalist(path)["training"][0]["image"] == target
+    with outside_paths_allowed():
+        assert load_datalist(path)["training"][0]["image"] == target
 
 
 @pytest.mark.parametrize(
@@ -131,3 +140,75 @@ def test_scalar_section_values_become_info(tmp_path):
     # Assert
     assert read_datalist_info(path) == {"name": "s"}
     assert load_datalist(path)["training"][0]["image"] == tmp_path / "a.png"
+
+
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        ("../elsewhere/a.png", "leaves the datalist's folder with '..'"),
+        ("images/../../elsewhere/a.png", "leaves the datalist's folder with '..'"),
+        ("/tmp/elsewhere/a.png", "is an absolute path"),
+        ("link/a.png", "through a symbolic link"),
+    ],
+)
+def test_paths_outside_the_datalist_folder_are_refused_unless_allowed(tmp_path, image, message):
+    # Prepare: a site folder whose "link" points at a folder beside it
+    site = tmp_path / "site"
+    (tmp_path / "elsewhere").mkdir()
+    site.mkdir()
+    (site / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    path = site / "dl.json"
+    path.write_text(json.dumps({"training": [{"image": "images/ok.png", "label": "masks/ok.png"},
+                                             {"image": image, "label": "masks/a.png"}]}))
+    # Execute / Assert: refused with the entry, the reason and the way out
+    with pytest.raises(DataError, match=r"dl\.json: training\[1\]\.image") as info:
+        load_datalist(path)
+    assert message in str(info.value) and "--allow-outside" in str(info.value)
+    with outside_paths_allowed():
+        assert load_datalist(path)["training"][1]["image"].name == "a.png"
+    with pytest.raises(DataError):  # the permission ends with the block
+        load_datalist(path)
+
+
+def test_inner_dotdot_and_symlinks_inside_the_folder_are_fine(tmp_path):
+    # Prepare: "a/../b" stays inside; a link inside the folder pointing inside it too
+    (tmp_path / "b").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "b", target_is_directory=True)
+    path = tmp_path / "dl.json"
+    path.write_text(json.dumps({"training": [{"image": "a/../b/i.png", "label": "alias/l.png"}]}))
+    # Execute
+    entry = load_datalist(path)["training"][0]
+    # Assert
+    assert entry["image"] == tmp_path / "b" / "i.png" and entry["label"] == tmp_path / "alias" / "l.png"
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"task": "brain", "training": []}, "task is \"brain\"; allowed: \"fundus\", \"prostate\""),
+        ({"label_convention": "voc", "training": []}, "label_convention is \"voc\""),
+        ({"name": "site 1", "training": []}, "name is 'site 1'; a site name uses only letters"),
+        ({"training": [], "validation": [{"image": "a", "label": None}]}, "validation[0].label must be a non-empty"),
+    ],
+)
+def test_schema_violations_name_the_key_and_the_allowed_values(tmp_path, doc, message):
+    # Prepare
+    path = tmp_path / "dl.json"
+    path.write_text(json.dumps(doc))
+    # Execute / Assert
+    with pytest.raises(DataError) as info:
+        load_datalist(path)
+    assert message in str(info.value) and "dl.json" in str(info.value)
+
+
+def test_schema_is_valid_draft_2020_12_and_accepts_what_write_datalist_writes(tmp_path):
+    from jsonschema import Draft202012Validator
+
+    # Prepare
+    Draft202012Validator.check_schema(DATALIST_SCHEMA)
+    path = tmp_path / "dl.json"
+    write_datalist(path, {"training": [{"image": tmp_path / "i.png", "label": tmp_path / "l.png", "case": "7"}]},
+                   info={"name": "site-1", "task": "fundus", "label_convention": "origa", "description": "x"})
+    # Execute / Assert
+    assert not list(Draft202012Validator(DATALIST_SCHEMA).iter_errors(json.loads(path.read_text())))
+    assert load_datalist(path)["training"][0]["case"] == "7"

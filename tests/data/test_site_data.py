@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.data.datalist import load_datalist, write_datalist
+from engine.data.datalist import load_datalist, outside_paths_allowed, write_datalist
 from engine.data.site_data import SiteData, SplitArrays, load_site
 from engine.data.synth import generate_federation
 from engine.errors import ConfigError, DataError
@@ -96,8 +96,9 @@ def test_missing_splits_give_empty_arrays_and_folder_name(tmp_path, fundus_sites
     path = tmp_path / "hospitalA" / "datalist.json"
     write_datalist(path, {"training": [entry]})
     # Execute
-    site = load_site(path, FUNDUS, 32)
-    named = load_site(path, FUNDUS, 32, name="override")
+    with outside_paths_allowed():  # the entry names the fixture's files outside hospitalA/
+        site = load_site(path, FUNDUS, 32)
+        named = load_site(path, FUNDUS, 32, name="override")
     # Assert
     assert site.name == "hospitalA" and named.name == "override"
     assert site.num_train == 1

@@ -13,7 +13,7 @@ from PIL import Image
 
 from engine import api
 from engine.cli.main import main
-from engine.data.datalist import load_datalist, write_datalist
+from engine.data.datalist import load_datalist, outside_paths_allowed, write_datalist
 from engine.errors import ConfigError
 
 
@@ -114,7 +114,8 @@ def test_duplicates_empty_masks_and_missing_datalist(fundus_sites: list[Path], t
     Image.fromarray(np.zeros((32, 32), np.uint8)).save(tmp_path / "empty.png")
     again = {"image": first["image"], "label": tmp_path / "empty.png"}
     write_datalist(tmp_path / "dl.json", {"training": [first, again], "testing": [first]}, info={"task": "fundus"})
-    report = api.validate_data([tmp_path / "dl.json", tmp_path / "absent.json"])
+    with outside_paths_allowed():  # the entries name the fixture's files beside tmp_path
+        report = api.validate_data([tmp_path / "dl.json", tmp_path / "absent.json"])
     rows = report["files"]
     assert rows[0]["ok"] and not rows[0]["warnings"]
     assert any("listed twice" in p for p in rows[1]["problems"]) and any("empty" in w for w in rows[1]["warnings"])
@@ -135,11 +136,12 @@ def test_volume_problems_partial_and_multilabel_masks(prostate_site: Path, tmp_p
     write_datalist(tmp_path / "dl.json", {"training": [{"image": entry["image"], "label": tmp_path / "part.nii.gz"},
                                                        {"image": tmp_path / "image2.nii.gz",
                                                         "label": tmp_path / "multi.nii.gz"}]})
-    report = api.validate_data([tmp_path / "dl.json"], task="prostate")
+    with outside_paths_allowed():
+        report = api.validate_data([tmp_path / "dl.json"], task="prostate")
+        multilabel = api.validate_data([tmp_path / "dl.json"], task="prostate", convention="multilabel")
     part, multi = report["files"]
     assert "covers only part" in part["problems"][0] and "k 0..5 of 12" in part["problems"][0]
     assert multi["values"] == [0, 1, 2] and "several non-zero values [1, 2]" in multi["problems"][0]
-    multilabel = api.validate_data([tmp_path / "dl.json"], task="prostate", convention="multilabel")
     assert multilabel["files"][1]["ok"] and multilabel["sites"][0]["convention"] == "multilabel"
 
 
