@@ -288,9 +288,10 @@ class FedIOD(ExchangeMethod):
             site.state[STATE_KEY] = state
             mirror_state(site, state)
             freq = torch.from_numpy(label_frequency(site.train.masks))
-            return Reply({"label_frequency": freq},
-                         {**state.teacher_metrics, "noise_multiplier": state.noise_multiplier,
-                          "delta": state.privacy.delta}, n)
+            metrics = {**state.teacher_metrics, "noise_multiplier": state.noise_multiplier,
+                       "delta": state.privacy.delta}
+            # only finite numbers travel (a transport may encode metrics as strict JSON)
+            return Reply({"label_frequency": freq}, {k: v for k, v in metrics.items() if math.isfinite(v)}, n)
         state = site.state.get(STATE_KEY)
         if not isinstance(state, SiteState):
             state = restore_state(self.task, site, self.config.device)
@@ -306,7 +307,7 @@ class FedIOD(ExchangeMethod):
                 progress({"event": "batch", "method": self.name, "round": int(request.config.get("round", 0)),
                           "site": site.name, "batch": step % steps + 1 if steps else step + 1,
                           "batches": steps, "loss": {"discriminator": round(d_loss, 5)}})
-            return Reply({"logits": logits, "scores": scores}, {"d_loss": d_loss}, n)
+            return Reply({"logits": logits, "scores": scores}, {"d_loss": d_loss} if math.isfinite(d_loss) else {}, n)
         if request.action == "gradient":
             grad = answer_gradient(state, step, request.tensors["logit_grad"], request.tensors["score_grad"])
             mirror_state(site, state, teacher=False)
