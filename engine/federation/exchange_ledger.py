@@ -43,7 +43,7 @@ class LedgerWriter:
         self.method = method
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("w", encoding="utf-8")
+        self._fh = self.path.open("w", encoding="utf-8", buffering=1)  # line-buffered: readable while it runs
 
     def __call__(self, record: ExchangeRecord) -> None:
         self._fh.write(json.dumps(ledger_entry(self.method, record)) + "\n")
