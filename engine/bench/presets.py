@@ -167,11 +167,11 @@ PRESETS: dict[str, BenchPreset] = {
     "fediod-cpu": BenchPreset(
         name="fediod-cpu",
         description="FedIOD's tables alone at CPU scale: Table 2 shape (Standalone, Centralized, FedAvg, FedSM, "
-                    "FedIOD; Dice and HD95) and student Dice against epsilon, 4 sites per task, 1 seed",
-        tasks=(TaskPreset("fundus", sites=4, image_size=48, rounds=6, lam=0.7),
-               TaskPreset("prostate", sites=4, image_size=32, rounds=5, slices=6, lam=0.3)),
+                    "FedIOD; Dice and HD95) and student Dice against epsilon, 3 sites per task at 32 px, 1 seed",
+        tasks=(TaskPreset("fundus", sites=3, image_size=32, rounds=4, lam=0.7),
+               TaskPreset("prostate", sites=3, image_size=32, rounds=4, slices=6, lam=0.5)),
         methods=(), seeds=(), lam_values=(), personalizations=(), analysis_seeds=(), perf=False,
-        fediod_seeds=(0,), fediod_steps=120, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=20,
+        fediod_seeds=(0,), fediod_steps=60, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=10,
     ),
 }
 
