@@ -104,6 +104,8 @@ class BenchPreset:
     fediod_steps: int = 120
     fediod_epsilons: tuple[float, ...] = ()
     fediod_teacher_epochs: int = 20
+    #: File ``--docs`` writes in ``docs/`` (a preset with its own file does not replace results.md).
+    docs_file: str = "results.md"
     description: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     lr_schedule: str = "constant"
@@ -172,6 +174,7 @@ PRESETS: dict[str, BenchPreset] = {
                TaskPreset("prostate", sites=3, image_size=32, rounds=4, slices=6, lam=0.5)),
         methods=(), seeds=(), lam_values=(), personalizations=(), analysis_seeds=(), perf=False,
         fediod_seeds=(0,), fediod_steps=60, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=10,
+        docs_file="results-fediod.md",
     ),
 }
 

@@ -211,7 +211,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     if docs_dir is not None:
         write_report(cache, preset, meta, Path(docs_dir), img_prefix="img/results", img_dir=Path(docs_dir) / "img"
                      / "results", settings_for=settings_for, preserve_reading=True)
-        summary["docs"] = str(Path(docs_dir) / "results.md")
+        summary["docs"] = str(Path(docs_dir) / preset.docs_file)
     summary["report"] = str(report_paths)
     write_text_atomic(out_dir / "summary.json", json.dumps(meta, indent=1) + "\n")
     return summary

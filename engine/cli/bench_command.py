@@ -77,7 +77,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
 
     out = args.out or Path("runs") / f"bench-{args.preset}"
-    if args.docs and args.preset not in DOCS_PRESETS and not args.force_docs:
+    from engine.bench.presets import get_preset
+
+    own_file = get_preset(args.preset).docs_file != "results.md"  # e.g. fediod-cpu -> docs/results-fediod.md
+    if args.docs and args.preset not in DOCS_PRESETS and not own_file and not args.force_docs:
         raise ConfigError(
             f"--docs would replace {DOCS_DIR / 'results.md'} (the published {' / '.join(DOCS_PRESETS)} results) "
             f"with preset {args.preset!r}; its report is written to {out / 'report' / 'results.md'} anyway "
