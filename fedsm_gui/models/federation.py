@@ -34,6 +34,8 @@ class SiteSetup:
     task: str = "fundus"
     datalist: str = ""
     app_hash: str = ""
+    #: FedIOD: the epsilon this site allows for a run's released gradients (``[privacy] epsilon``; empty: none)
+    dp_epsilon: str = ""
     config_path: str = ""
 
 

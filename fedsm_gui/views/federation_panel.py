@@ -37,6 +37,7 @@ _FIELDS = (
     ("site_name", "Site name", None),
     ("datalist", "Datalist", "Datalist (*.json);;All files (*)"),
     ("app_hash", "Approved app hash", None),
+    ("dp_epsilon", "Privacy ε (FedIOD)", None),
 )
 _STATUS_COLOURS = {"connected": "#2a2", "starting": "#c90", "reconnecting": "#c90", "finished": "#27c",
                    "failed": "#c33", "disconnected": "#c33"}
@@ -84,6 +85,9 @@ class FederationPanel(QWidget):
         form.insertRow(4, "Task", self.task)
         self.fields["app_hash"].setToolTip("SHA-256 of the federated app this site agreed to run; the site "
                                            "refuses any other code")
+        self.fields["dp_epsilon"].setToolTip("FedIOD only: the privacy budget (epsilon, delta 1e-5) this site "
+                                             "allows for the gradients it releases during a run; empty = no noise. "
+                                             "Teacher answers are not covered (docs/architecture.md, FedIOD)")
         self.local_hash = QLabel("")
         self.local_hash.setObjectName("local-app-hash")
         self.local_hash.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
