@@ -33,3 +33,16 @@ def test_the_panel_shows_the_field(qtbot):
     qtbot.addWidget(panel)
     panel.set_setup(SiteSetup(dp_epsilon="4.0"), demo=True)
     assert panel.fields["dp_epsilon"].text() == "4.0"
+
+
+def test_the_segmentation_panel_says_a_bundle_was_distilled_and_with_which_epsilon(qtbot):
+    from fedsm_gui.views.segmentation_panel import SegmentationPanel
+
+    panel = SegmentationPanel()
+    qtbot.addWidget(panel)
+    metadata = {"task": "fundus", "method": "fediod", "routing": "none", "site_names": ["a", "b"],
+                "label_names": ["disc", "cup"], "val_dice": {"a": 0.5, "b": None},
+                "extra": {"distilled": True, "epsilon": {"a": 7.98, "b": None}}}
+    panel.set_metadata("/x/fediod.safetensors", metadata)
+    text = panel.metadata_label.text()
+    assert "distilled" in text and "ε 7.98" in text and "no DP" in text and "0.500" in text
