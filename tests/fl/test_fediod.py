@@ -244,3 +244,46 @@ def test_a_site_rebuilt_from_its_weight_dicts_answers_as_before():
     # Assert: same gradient, same noise draw, same release count
     assert torch.equal(original.tensors["input_grad"], rebuilt.tensors["input_grad"])
     assert twin.state[STATE_KEY].releases == site.state[STATE_KEY].releases == 1
+
+
+def test_the_sites_input_gradients_sum_to_the_generator_loss_gradient_of_one_graph():
+    # Prepare: drive one distillation step by hand, as a transport would
+    from engine.fl.exchange import Reply
+
+    sites = tiny_sites(2)
+    method = tiny_method(sites, steps=1)
+    state = method.initial_state()
+    dialogue = method.dialogue(state, 1)
+    by_name = {s.name: s for s in sites}
+
+    def answer_all(requests):
+        return {name: method.answer(request, by_name[name]) for name, request in requests.items()}
+
+    queries = dialogue.send(answer_all(next(dialogue)))  # setup, then the step's query
+    images = next(iter(queries.values())).tensors["images"]
+    gradient_requests = dialogue.send(answer_all(queries))
+    # Execute: the sites' answers (no DP: exact vector-Jacobian products)
+    replies = answer_all(gradient_requests)
+    site_part = sum(r.tensors["input_grad"] for r in replies.values()) / method.config.batch
+    # Assert: equals d(generator loss)/dx through the teachers and discriminators, computed in one graph
+    from engine.fl.fediod_site import label_frequency
+
+    stats = {"num_samples": torch.tensor([float(len(by_name[s].train.images)) for s in method.site_names],
+                                         dtype=torch.float64),
+             "label_frequency": torch.stack([torch.from_numpy(label_frequency(by_name[s].train.masks))
+                                             for s in method.site_names])}
+    x = images.clone().requires_grad_(True)
+    logits = torch.stack([by_name[s].state[STATE_KEY].teacher(x).float() for s in method.site_names])
+    scores = [by_name[s].state[STATE_KEY].discriminator(x).float() for s in method.site_names]
+    student = method._student()
+    student.load_state_dict(state["student"])
+    w = stats["num_samples"] / stats["num_samples"].sum()
+    fg, bg = L.class_weights(stats["num_samples"], stats["label_frequency"])
+    freq = (w.view(-1, 1) * stats["label_frequency"]).sum(0)
+    terms = FedIOD._generator_terms(logits, scores, student(x.detach()), w.float(), fg, bg, freq)
+    c = method.config
+    loss = (c.w_gan * terms["gan"] + c.w_consensus * terms["consensus"] + c.w_uniqueness * terms["uniqueness"]
+            + c.w_balance * terms["balance"] - c.w_adv * terms["adv"])
+    (expected,) = torch.autograd.grad(loss, x)
+    assert torch.allclose(site_part, expected, rtol=1e-4, atol=1e-7)
+    assert all(isinstance(r, Reply) for r in replies.values())
