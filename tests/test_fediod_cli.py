@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from engine.bundle import read_metadata
 from engine.cli.main import main
 
 
+@pytest.mark.slow
 def test_simulate_fediod_then_infer_with_the_distilled_student(tmp_path):
     # Prepare / Execute: a tiny run with DP at one epsilon target
     out = tmp_path / "run"
