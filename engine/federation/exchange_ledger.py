@@ -31,6 +31,8 @@ def ledger_entry(method: ExchangeMethod, record: ExchangeRecord) -> dict[str, An
         "sent": described(record.reply_tensors, method.REPLY_CONTENTS),
         "bytes_received": record.bytes_to_site, "bytes_sent": record.bytes_from_site,
     }
+    if "step" in record.config:  # e.g. FedIOD's distillation step
+        entry["step"] = record.config["step"]
     if record.failed is not None:
         entry["failed"] = record.failed
     return entry

@@ -196,6 +196,7 @@ def test_a_run_sends_only_declared_answers_and_reports_epsilon_per_site():
     assert list(entry["sent"]) == ["input_grad"] and entry["sent"]["input_grad"]["shape"] == [2, 3, 32, 32]
     assert "w.r.t. the generated images only" in entry["sent"]["input_grad"]["what"]
     assert entry["bytes_sent"] == 2 * 3 * 32 * 32 * 4
+    assert entry["step"] == 0 and entry["action"] == "gradient"
     masks = method.segmenter(state, sites, "cpu")(0, sites[0].train.images)
     assert masks.shape == sites[0].train.masks.shape and set(np.unique(masks)) <= {0, 1}
 
