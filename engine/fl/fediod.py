@@ -418,10 +418,12 @@ def build_fediod(name: str, task: TaskSpec, site_names: list[str], settings: Map
     Keys read (all optional): ``seed``, ``rounds``, ``image_size``, ``batch_size``, ``lr``,
     ``device``, ``fediod_steps``, ``fediod_batch``, ``teacher_epochs``, ``teacher_patience``,
     and the default privacy setting of sites without their own: ``dp_noise``, ``dp_epsilon``,
-    ``dp_clip``, ``dp_delta``.
+    ``dp_clip``, ``dp_delta``. Each FedIOD key may also be written with the ``fediod_`` prefix
+    (``fediod_teacher_epochs``, ``fediod_dp_noise``): that is how ``federation.toml``'s
+    ``[training]`` passes a dialogue method's options (:class:`engine.federation.spec.MethodSpec`).
     """
     def get(key: str, default: Any) -> Any:
-        value = settings.get(key)
+        value = settings.get(f"fediod_{key}", settings.get(key))
         return default if value is None else value
 
     config = FedIODConfig(
@@ -430,7 +432,7 @@ def build_fediod(name: str, task: TaskSpec, site_names: list[str], settings: Map
         teacher_patience=int(get("teacher_patience", 4)), batch_size=int(get("batch_size", 8)),
         lr=float(get("lr", 1e-3)), device=str(get("device", "auto")))
     privacy = PrivacySetting(noise_multiplier=float(get("dp_noise", 0.0)),
-                             epsilon=None if settings.get("dp_epsilon") is None else float(settings["dp_epsilon"]),
+                             epsilon=None if get("dp_epsilon", None) is None else float(get("dp_epsilon", None)),
                              clip_norm=float(get("dp_clip", 1.0)), delta=float(get("dp_delta", DEFAULT_DELTA)))
     return FedIOD(task, site_names, int(get("seed", 0)), int(get("rounds", 1)), config, privacy)
 

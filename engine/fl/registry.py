@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 #: Dialogue method name -> ``"module:factory"``.
 EXCHANGE_METHODS: dict[str, str] = {
+    "blackfed-v1": "engine.fl.blackfed:build_blackfed",
+    "blackfed-v2": "engine.fl.blackfed:build_blackfed",
+    "split-whitebox": "engine.fl.split_whitebox:build_split_whitebox",
     "fediod": "engine.fl.fediod:build_fediod",
 }
 
