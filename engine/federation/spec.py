@@ -48,6 +48,7 @@ class MethodSpec:
     selector_calibration: str = "none"
     selector_warmup: int = 0
     selector_epochs: int = 1
+    selector_bn: str = "batch"
     routing_guard: bool = True
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
     #: ``[training]`` they are written as top-level keys with that prefix.
@@ -162,6 +163,7 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=default_selector_lr(scheme, spec.selector_lr),
                                    selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
+                                   selector_bn=spec.selector_bn,
                                    selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":

@@ -334,6 +334,12 @@ class FedIOD(ExchangeMethod):
         if request.action == "setup" and reply.num_samples < 1:
             raise WeightsError(f"reply of {site}: a site with no training images cannot teach")
 
+    def max_reply_bytes(self) -> int:
+        """Largest reply: a query's logits and scores, or a gradient request's input gradient (float32)."""
+        c, s = self.config, self.config.image_size
+        query = self.task.out_channels * s * s + (s // 8) ** 2
+        return 4 * c.batch * max(query, self.task.in_channels * s * s)
+
     # --- evaluation and results ------------------------------------------------------------
     def segmenter(self, state: WeightSet, sites: list[SiteRuntime],
                   device: str = "auto") -> Callable[[int, np.ndarray], np.ndarray]:

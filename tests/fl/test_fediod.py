@@ -197,6 +197,8 @@ def test_a_run_sends_only_declared_answers_and_reports_epsilon_per_site():
     assert "w.r.t. the generated images only" in entry["sent"]["input_grad"]["what"]
     assert entry["bytes_sent"] == 2 * 3 * 32 * 32 * 4
     assert entry["step"] == 0 and entry["action"] == "gradient"
+    largest = max(sum(4 * math.prod(shape) for shape in r.reply_tensors.values()) for r in seen)
+    assert largest == method.max_reply_bytes()  # what the network transport sizes its upload limit from
     masks = method.segmenter(state, sites, "cpu")(0, sites[0].train.images)
     assert masks.shape == sites[0].train.masks.shape and set(np.unique(masks)) <= {0, 1}
 
