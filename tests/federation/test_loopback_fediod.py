@@ -134,6 +134,10 @@ def check_uploads_are_declared(requests: list[tuple[str, bytes]]) -> None:
             tensors = records.unpack(content.array_records[key],
                                      content.config_records[records.LAYOUT][REPLY_PART], "reply")
             assert set(tensors) <= DECLARED
+            frequency = tensors.pop("label_frequency", None)  # (labels,): as small as a bias, checked by value
+            if frequency is not None:
+                assert frequency.shape == (2,) and bool(((frequency >= 0) & (frequency <= 1)).all())
+                seen.add("label_frequency")
             assert all(tuple(t.shape) not in params for t in tensors.values())
             seen |= set(tensors)
     assert seen == DECLARED
