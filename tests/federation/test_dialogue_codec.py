@@ -87,17 +87,15 @@ def test_the_upload_limit_fits_blackfeds_largest_reply():
     assert dialogue_reply_limit(big) == 2 * big.max_reply_bytes() + 16 * 2**20
 
 
-def test_consent_also_allows_the_split_learning_methods_unless_the_site_listed_its_own(tmp_path):
+def test_bounds_leave_blackfed_to_the_consent_unless_the_site_listed_its_own_methods():
     from types import SimpleNamespace
 
     from engine.federation.flower.site import site_bounds
 
-    plain = site_bounds(SimpleNamespace(bounds={}, share_activations=False))
-    assert "blackfed-v1" not in plain.allowed_methods and "fedsm" in plain.allowed_methods
     agreed = site_bounds(SimpleNamespace(bounds={}, share_activations=True))
-    assert {"blackfed-v1", "blackfed-v2", "fedsm"} <= set(agreed.allowed_methods)
     own = site_bounds(SimpleNamespace(bounds={"allowed_methods": ["fedavg"]}, share_activations=True))
-    assert own.allowed_methods == ("fedavg",)  # the operator's own list wins
+    assert own.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3, "selector_lr": 1e-5,
+                           "image_size": 32, "batch_size": 4})  # the operator's own list wins
     assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
                               "selector_lr": 1e-5, "image_size": 32, "batch_size": 4}) == []
     # a spec leaving selector_lr to the scheme's default (None) is checked with that default

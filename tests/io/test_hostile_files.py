@@ -310,3 +310,19 @@ def test_split_bundle_metadata_of_the_wrong_shape() -> None:
         SplitMetadata.from_json(json.dumps({"format": SPLIT_FORMAT, "format_version": "x"}))
     with pytest.raises(BundleError, match="not JSON text"):
         SplitMetadata.from_json(123)  # type: ignore[arg-type]
+
+
+def test_png_mask_with_a_crafted_provenance_chunk(tmp_path: Path) -> None:
+    """A label PNG whose fedsm:provenance chunk is nested 100000 deep still reads as a mask."""
+    from PIL.PngImagePlugin import PngInfo
+
+    from engine.io.export import PNG_KEY, read_provenance
+
+    info = PngInfo()
+    info.add_itxt(PNG_KEY, "[" * 100_000 + "]" * 100_000)
+    mask = tmp_path / "m.png"
+    Image.fromarray(np.zeros((30, 30), np.uint8)).save(mask, pnginfo=info)
+    photo = open_study(_write_png(tmp_path / "eye.png", (30, 30)))
+    assert read_mask(mask, photo).labels.array.shape == (30, 30)
+    with pytest.raises(DataError, match=r"m\.png \(fedsm:provenance chunk\): provenance: JSON nested 100000 levels"):
+        read_provenance(mask)

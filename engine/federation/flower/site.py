@@ -40,21 +40,16 @@ _RESTART_PAUSES = (2.0, 4.0, 8.0, 15.0, 30.0)
 
 
 def site_bounds(cfg: SiteConfig) -> Any:
-    """The site's ``[bounds]``; ``share_activations = true`` also allows the split-learning methods.
+    """The site's ``[bounds]``.
 
-    A site that did not list ``allowed_methods`` itself gets the default list, plus BlackFed
-    (and the white-box split baseline) when its operator agreed that activations leave the site
-    (docs/federation.md §10): the consent is what allows them.
+    Without ``allowed_methods`` every method is within bounds (``None``); split learning is still
+    answered only with ``[site] share_activations = true`` (the consent, checked per exchange in
+    :func:`engine.federation.flower.dialogue.answer_exchange`; docs/federation.md §10). An
+    operator's own ``allowed_methods`` list is taken as written.
     """
-    from dataclasses import replace
-
-    from engine.fl.registry import SPLIT_LEARNING_METHODS
     from engine.security.run_spec import SiteBounds
 
-    bounds = SiteBounds.from_dict(cfg.bounds)
-    if getattr(cfg, "share_activations", False) and "allowed_methods" not in cfg.bounds:
-        bounds = replace(bounds, allowed_methods=(*bounds.allowed_methods, *SPLIT_LEARNING_METHODS))
-    return bounds
+    return SiteBounds.from_dict(cfg.bounds)
 
 
 def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
