@@ -11,7 +11,7 @@ from engine.tasks import TaskSpec
 METHOD_TITLES = {
     "centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
     "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
-    "blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2", "split-whitebox": "White-box split",
+    "blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2", "split-whitebox": "White-box split", "fediod": "FedIOD",
 }
 
 
@@ -139,6 +139,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         if "selector" in extra:
             lines += _selector_lines(extra["selector"])
     lines += _local_ood_lines(report, sites)
+    if report["methods"].get("fediod"):
+        lines += fediod_section(report["methods"]["fediod"], sites, structures)
     lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:
@@ -154,10 +156,11 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("supermodel"):
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():
+            title = METHOD_TITLES.get(name, name)
             if s.get("error"):
-                lines.append(f"- {METHOD_TITLES[name]}: not written ({s['error']})")
+                lines.append(f"- {title}: not written ({s['error']})")
                 continue
-            lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
+            lines.append(f"- {title}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
 
 
@@ -174,6 +177,33 @@ def _local_ood_lines(report: dict[str, Any], sites: list[str]) -> list[str]:
     for name, per_site in rows.items():
         cells = [f"{_fmt(per_site[s]['local'])} | {_fmt(per_site[s]['ood'])}" for s in sites]
         lines.append(f"| {METHOD_TITLES.get(name, name)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def fediod_section(result: dict[str, Any], sites: list[str], structures: list[str]) -> list[str]:
+    """FedIOD's part of ``report.md``: the student beside each site's teacher (Standalone), and epsilon per site."""
+    extra = result.get("extra", {})
+    lines = ["", "## FedIOD: distilled student, teachers (Standalone) and privacy", "",
+             "Client-average test Dice; each teacher is evaluated on every site's test split.", "",
+             "| model | " + " | ".join(structures) + " |", "|---" * (len(structures) + 1) + "|",
+             "| FedIOD student | " + " | ".join(_fmt(result["client_average"][k]) for k in structures) + " |"]
+    standalone = extra.get("standalone") or {}
+    for site, r in standalone.get("models", {}).items():
+        lines.append(f"| teacher of {site} | " + " | ".join(_fmt(r["client_average"][k]) for k in structures) + " |")
+    if standalone.get("mean"):
+        lines.append("| Standalone (mean ± std) | " + " | ".join(
+            f"{_fmt(standalone['mean'][k])} ± {_fmt(standalone['std'][k])}" for k in structures) + " |")
+    eps = extra.get("epsilon", {})
+    lines += ["", "| site | teacher validation Dice | noise multiplier | releases | epsilon (delta) |",
+              "|---|---|---|---|---|"]
+    for s in sites:
+        e = eps.get(s)
+        lines.append(f"| {s} | {_fmt(extra.get('teacher_val_dice', {}).get(s))} | "
+                     f"{extra.get('noise_multiplier', {}).get(s, 0.0):.3g} | {extra.get('releases', {}).get(s, 0)} | "
+                     + ("no DP (infinite)" if e is None else f"{e:.3g} ({extra.get('delta', {}).get(s, 0):.0e})")
+                     + " |")
+    lines += ["", "Epsilon covers only the released input gradients; teacher logits and discriminator "
+                  "scores are sent without noise (see docs/architecture.md, FedIOD)."]
     return lines
 
 

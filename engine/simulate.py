@@ -59,6 +59,16 @@ class SimulationConfig:
     selector_head: str = "gap"
     prox_mu: float = 0.01
     extra_rounds: int | None = None
+    #: FedIOD (engine.fl.fediod): distillation steps per round, generated images per step,
+    #: the teachers' epoch cap and early-stopping patience, and the privacy setting of sites
+    #: (noise multiplier, or an epsilon target; clipping norm).
+    fediod_steps: int = 100
+    fediod_batch: int = 8
+    teacher_epochs: int = 20
+    teacher_patience: int = 4
+    dp_noise: float = 0.0
+    dp_epsilon: float | None = None
+    dp_clip: float = 1.0
     device: str = "auto"
     data_dir: str | None = None
     #: Settings of dialogue methods, ``<family>_<name>`` (e.g. ``blackfed_client_epochs``).
@@ -364,7 +374,9 @@ class Simulation:
         site segments with the result; ``report_extra(state, runtimes)`` (when the method has
         it) adds method-specific results, and a ``"bundle"`` among them is saved with the report.
         """
+        from engine.federation.exchange_ledger import LedgerWriter
         from engine.federation.inprocess import run_exchange_rounds
+        from engine.fl.evaluation import dice_per_case
         from engine.fl.registry import build_exchange_method
 
         start = time.perf_counter()
@@ -373,13 +385,26 @@ class Simulation:
         method = build_exchange_method(name, self.task, [s.name for s in self.sites], settings)
         runtimes = self._runtimes()
         self._attach_round_hook(method, runtimes)
-        state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,
-                                             cancel=self.cancel)
+        ledger = LedgerWriter(method, self.out_dir / f"{name}-ledger.jsonl")  # what every exchange carried
+        try:
+            state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,
+                                                 cancel=self.cancel, recorder=ledger)
+        finally:
+            ledger.close()
         predict = method.segmenter(state, runtimes, self.cfg.device)
         per_site, client_avg, pooled = self._evaluate(predict)
         report_extra = getattr(method, "report_extra", None)
         extra = report_extra(state, runtimes) if report_extra is not None else {}
         extra["local_ood"] = self.cross_site_dice(predict)
+        site_segmenters = getattr(method, "site_segmenters", None)
+        if site_segmenters is not None:
+            extra["standalone"] = self._evaluate_site_models(site_segmenters(runtimes, self.cfg.device))
+        make_bundle = getattr(method, "bundle", None)
+        if make_bundle is not None:
+            val_dice = {s.name: (float(dice_per_case(predict(k, s.validation.images), s.validation.masks,
+                                                     s.validation.case_ids).mean())
+                                 if len(s.validation.images) else None) for k, s in enumerate(self.sites)}
+            extra["bundle"] = make_bundle(state, {"seed": self.cfg.seed}, val_dice)
         rounds, bytes_per_round = self._round_summaries(records)
         # no best-round selection for dialogue methods: the last round is evaluated
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
@@ -410,6 +435,18 @@ class Simulation:
             others = [s for j, s in enumerate(scores) if j != k]
             out[site.name] = {"local": scores[k], "ood": float(np.mean(others)) if others else float("nan")}
         return out
+
+    def _evaluate_site_models(self, models: dict[str, Callable[[np.ndarray], np.ndarray]]) -> dict[str, Any]:
+        """Each site's own model on every site's test split ("Standalone"): per model, and mean +- std."""
+        per_model = {}
+        for name, predict in models.items():
+            per_site, client_avg, pooled = self._evaluate(lambda k, x, predict=predict: predict(x))
+            per_model[name] = {"dice": per_site, "client_average": client_avg, "pooled": pooled}
+        keys = [*self.task.label_names, "mean"]
+        avgs = [m["client_average"] for m in per_model.values()]
+        return {"models": per_model,
+                "mean": {k: float(np.mean([a[k] for a in avgs])) for k in keys} if avgs else {},
+                "std": {k: float(np.std([a[k] for a in avgs])) for k in keys} if avgs else {}}
 
     def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
         """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""

@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
-#: Analyses, in the order the runner does them (``tune``: :mod:`engine.bench.tuning`).
-ANALYSES = ("tune", "main", "lam", "unseen", "personalization", "blackfed")
+#: Analyses, in the order the runner does them (``tune``: :mod:`engine.bench.tuning`; ``fediod``:
+#: :mod:`engine.bench.fediod_bench`).
+ANALYSES = ("tune", "main", "lam", "unseen", "personalization", "blackfed", "fediod")
 
 
 def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
@@ -90,6 +91,10 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
 
         settings["blackfed"] = asdict(BlackFedConfig())
         settings["keep_best"] = False
+    if key.analysis == "fediod":
+        from engine.bench.fediod_bench import fediod_settings
+
+        settings["fediod"] = fediod_settings(preset, key)
     if key.analysis == "personalization":
         from engine.fl.personalization import PersonalizationConfig
 
@@ -330,6 +335,10 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
         out, _, _ = _train(fair, ctx.sites, key.method, key.seed, curves=False)
         out["compute"] = split_compute(task, ctx.tp.image_size)
         return out
+    if key.analysis == "fediod":
+        from engine.bench.fediod_bench import run_fediod_job
+
+        return run_fediod_job(ctx, key)
     from engine.errors import ConfigError
 
     raise ConfigError(f"unknown benchmark analysis {key.analysis!r}; choose from {', '.join(ANALYSES)}")

@@ -75,6 +75,10 @@ class BenchPreset:
     plateau_share, plateau_tolerance
         Plateau criterion the report checks: validation Dice within ``plateau_tolerance``
         (max - min) over the last ``plateau_share`` of the training rounds.
+    fediod_seeds, fediod_steps, fediod_epsilons, fediod_teacher_epochs
+        The FedIOD analysis (:mod:`engine.bench.fediod_bench`): its seeds (none = skipped),
+        distillation steps over the whole run, the epsilon targets of the Dice-vs-epsilon runs,
+        and the teachers' epoch cap.
     """
 
     name: str
@@ -99,6 +103,12 @@ class BenchPreset:
     perf_batches: int = 6
     perf_repeats: int = 3
     perf_memory: bool = True
+    fediod_seeds: tuple[int, ...] = ()
+    fediod_steps: int = 120
+    fediod_epsilons: tuple[float, ...] = ()
+    fediod_teacher_epochs: int = 20
+    #: File ``--docs`` writes in ``docs/`` (a preset with its own file does not replace results.md).
+    docs_file: str = "results.md"
     description: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     lr_schedule: str = "constant"
@@ -171,6 +181,17 @@ PRESETS: dict[str, BenchPreset] = {
         tasks=(TaskPreset("fundus", sites=6, image_size=256, rounds=150, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=256, rounds=150, slices=12, lam=0.3)),
         seeds=(0, 1, 2), batch_size=8, analysis_seeds=(0, 1, 2), perf_image_size=256,
+        fediod_seeds=(0, 1, 2), fediod_steps=3000, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=100,
+    ),
+    "fediod-cpu": BenchPreset(
+        name="fediod-cpu",
+        description="FedIOD's tables alone at CPU scale: Table 2 shape (Standalone, Centralized, FedAvg, FedSM, "
+                    "FedIOD; Dice and HD95) and student Dice against epsilon, 3 sites per task at 32 px, 1 seed",
+        tasks=(TaskPreset("fundus", sites=3, image_size=32, rounds=4, lam=0.7),
+               TaskPreset("prostate", sites=3, image_size=32, rounds=4, slices=6, lam=0.5)),
+        methods=(), seeds=(), lam_values=(), personalizations=(), analysis_seeds=(), perf=False,
+        fediod_seeds=(0,), fediod_steps=60, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=10,
+        docs_file="results-fediod.md",
     ),
 }
 
@@ -209,5 +230,6 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
             raise ConfigError(f"preset {preset.name} has no method(s) {unknown}; it has {', '.join(preset.methods)}")
         out = replace(out, methods=tuple(m for m in preset.methods if m in methods))
     if main_only:
-        out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=())
+        out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=(),
+                      fediod_seeds=())
     return out

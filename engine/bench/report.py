@@ -526,6 +526,13 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         lines += _analysis_sections(results, preset, tp.task, img, docs)
     for tp in preset.tasks:
         lines += split_section(results, preset, tp.task)
+    from engine.bench.fediod_bench import fediod_section
+
+    for tp in preset.tasks:
+        section = fediod_section(results, preset, tp.task)
+        if section:
+            lines += section
+            lines += provenance_line([k for k in results if k.task == tp.task and k.analysis == "fediod"], docs)
     lines += _perf_section(results, docs)
     lines += ["", *_time_section(results, preset)]
     lines += ["", "## Configuration", "", "```json", json.dumps(preset.to_json(), indent=1), "```", ""]
@@ -535,11 +542,11 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
 def write_report(cache: ResultCache, preset: BenchPreset, meta: dict[str, Any], out_dir: Path, *,
                  img_prefix: str = "img", img_dir: Path | None = None,
                  settings_for: Callable[[JobKey], dict[str, Any]], preserve_reading: bool = False) -> Path:
-    """Write ``out_dir/results.md`` and its PNG plots; return the markdown path."""
+    """Write ``out_dir/<preset.docs_file>`` (``results.md`` unless the preset names its own) and its PNG plots."""
     out_dir = Path(out_dir)
     img_dir = Path(img_dir) if img_dir is not None else out_dir / img_prefix
     img_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / "results.md"
+    target = out_dir / preset.docs_file
     docs = collect_docs(cache, preset, settings_for)
     results = {k: doc["result"] for k, doc in docs.items()}
 

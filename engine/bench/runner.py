@@ -67,7 +67,9 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
         for tp in preset.tasks:
             if tp.task in preset.split_tasks:
                 jobs += [JobKey(tp.task, "blackfed", m, seed) for m in preset.split_methods]
-    return jobs
+    from engine.bench.fediod_bench import plan_fediod_jobs
+
+    return jobs + plan_fediod_jobs(preset)
 
 
 def _load_average() -> list[float] | None:
@@ -213,7 +215,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     if docs_dir is not None:
         write_report(cache, preset, meta, Path(docs_dir), img_prefix="img/results", img_dir=Path(docs_dir) / "img"
                      / "results", settings_for=settings_for, preserve_reading=True)
-        summary["docs"] = str(Path(docs_dir) / "results.md")
+        summary["docs"] = str(Path(docs_dir) / preset.docs_file)
     summary["report"] = str(report_paths)
     write_text_atomic(out_dir / "summary.json", json.dumps(meta, indent=1) + "\n")
     return summary

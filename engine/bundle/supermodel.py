@@ -48,7 +48,7 @@ METADATA_KEY = "fedsm"
 
 #: Methods whose result is one global model: a *single-model bundle* (routing ``"none"``: no
 #: selector, no personalized models; ``site_names`` are the sites that trained it).
-SINGLE_MODEL_METHODS = ("fedavg", "fedprox", "scaffold", "centralized")
+SINGLE_MODEL_METHODS = ("fedavg", "fedprox", "scaffold", "centralized", "fediod")
 METHODS = ("fedsm", "fedsm-extra", *SINGLE_MODEL_METHODS)
 ROUTINGS = ("gamma", "argmax", "none")
 #: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models;

@@ -28,11 +28,12 @@ DOCS_PRESETS = ("cpu-small", "cpu-converged", "paper")
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``fedsm bench`` to the ``fedsm`` parser."""
     p = sub.add_parser("bench", help="benchmark the methods on synthetic multi-site data and write results.md")
-    p.add_argument("--preset", choices=["tiny", "cpu-small", "cpu-converged", "paper", "blackfed"],
+    p.add_argument("--preset", choices=["tiny", "cpu-small", "cpu-converged", "paper", "blackfed", "fediod-cpu"],
                    default="cpu-small",
                    help="tiny: CI smoke test (seconds); cpu-small: the full study on a CPU, few rounds (~20 min); "
                         "cpu-converged: trained to a plateau, lr tuned on validation (~3 h on 2 cores); "
-                        "paper: 256 px, 150 rounds, meant for a GPU; blackfed: BlackFed's Tables 2-3 alone")
+                        "paper: 256 px, 150 rounds, meant for a GPU; blackfed: BlackFed's Tables 2-3 alone; "
+                        "fediod-cpu: FedIOD's tables alone")
     p.add_argument("--tasks", default=None, help="reduced run: only these tasks (comma-separated)")
     p.add_argument("--seeds", default=None, help="reduced run: only these main-comparison seeds (comma-separated)")
     p.add_argument("--methods", default=None, help="reduced run: only these main methods (comma-separated)")
@@ -77,7 +78,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from engine.errors import ConfigError
 
     out = args.out or Path("runs") / f"bench-{args.preset}"
-    if args.docs and args.preset not in DOCS_PRESETS and not args.force_docs:
+    from engine.bench.presets import get_preset
+
+    own_file = get_preset(args.preset).docs_file != "results.md"  # e.g. fediod-cpu -> docs/results-fediod.md
+    if args.docs and args.preset not in DOCS_PRESETS and not own_file and not args.force_docs:
         raise ConfigError(
             f"--docs would replace {DOCS_DIR / 'results.md'} (the published {' / '.join(DOCS_PRESETS)} results) "
             f"with preset {args.preset!r}; its report is written to {out / 'report' / 'results.md'} anyway "

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
                    help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra; "
-                        "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox")
+                        "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox,fediod")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lam", type=float, default=None,
@@ -116,6 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
                         " one datalist per site (see 'fedsm datalist'); default: synthetic sites in OUT/data")
     p.add_argument("--allow-outside", action="store_true",
                    help="let datalists name files outside their own folder")
+    p.add_argument("--fediod-steps", type=int, default=100, help="FedIOD distillation steps per round")
+    p.add_argument("--fediod-batch", type=int, default=8, help="FedIOD generated images per step")
+    p.add_argument("--teacher-epochs", type=int, default=20, help="FedIOD teachers' epoch cap (early stopping)")
+    p.add_argument("--teacher-patience", type=int, default=4, help="FedIOD teachers' early-stopping patience")
+    p.add_argument("--dp-noise", type=float, default=0.0,
+                   help="FedIOD sites' noise multiplier on released input gradients (0 = no DP)")
+    p.add_argument("--dp-epsilon", type=float, default=None,
+                   help="FedIOD sites' epsilon target for the run (instead of --dp-noise)")
+    p.add_argument("--dp-clip", type=float, default=1.0, help="FedIOD sites' clipping norm of one release")
     from engine.cli.data_commands import add_orientation_option
 
     add_orientation_option(p)
@@ -202,6 +211,9 @@ def _run(args: argparse.Namespace) -> int:
                     selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
                     lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,
                     keep_best=args.keep_best,
+                    fediod_steps=args.fediod_steps, fediod_batch=args.fediod_batch,
+                    teacher_epochs=args.teacher_epochs, teacher_patience=args.teacher_patience,
+                    dp_noise=args.dp_noise, dp_epsilon=args.dp_epsilon, dp_clip=args.dp_clip,
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                     routing_guard=args.routing_guard, holdout_site=args.holdout_site, slices=args.slices,

@@ -53,6 +53,12 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     [bounds]                             # settings this site agrees to run: engine.security.run_spec.SiteBounds
     allowed_methods = ["fedsm"]
     max_epochs = 2
+
+    [privacy]                            # optional; FedIOD's noised input gradients (engine.fl.fediod_privacy)
+    noise_multiplier = 1.0               # sigma, noise std in units of clip_norm (0 = no DP) ...
+    # epsilon = 8.0                      # ... or an epsilon target for the run (not both)
+    clip_norm = 1.0                      # L2 bound of one release
+    delta = 1e-5
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ from typing import Any
 
 from engine.errors import ConfigError
 from engine.federation.spec import MethodSpec
+from engine.fl.fediod_privacy import DEFAULT_DELTA, PrivacySetting
 
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
@@ -76,6 +83,7 @@ _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
               "runtime_port", "share_activations"}
 _SECURITY_KEYS = {"ca_cert", "private_key", "approved_apps"}
+_PRIVACY_KEYS = {"noise_multiplier", "epsilon", "clip_norm", "delta"}
 
 
 def _read_toml(path: Path, kind: str) -> dict[str, Any]:
@@ -279,6 +287,8 @@ class SiteConfig:
     share_activations: bool = False
     #: the ``[bounds]`` table as written (checked by :meth:`engine.security.run_spec.SiteBounds.from_dict`)
     bounds: dict[str, Any] = field(default_factory=dict)
+    #: The operator's privacy setting (``[privacy]``); ``None`` = none given (no noise).
+    privacy: PrivacySetting | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for display (paths as strings)."""
@@ -290,6 +300,9 @@ class SiteConfig:
             "approved_apps": list(self.approved_apps), "device": self.device, "threads": self.threads,
             "poll_interval": self.poll_interval, "runtime_port": self.runtime_port,
             "share_activations": self.share_activations,
+            "privacy": None if self.privacy is None else {
+                "noise_multiplier": self.privacy.noise_multiplier, "epsilon": self.privacy.epsilon,
+                "clip_norm": self.privacy.clip_norm, "delta": self.privacy.delta},
         }
 
 
@@ -307,9 +320,9 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
 
     path = Path(path).absolute()
     doc = _read_toml(path, "site")
-    unknown = sorted(set(doc) - {"site", "security", "bounds"})
+    unknown = sorted(set(doc) - {"site", "security", "bounds", "privacy"})
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [site], [security] and [bounds]")
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [site], [security], [bounds] and [privacy]")
     site = _table(doc, "site", path, _SITE_KEYS)
     where = f"{path} [site]"
     name = _get(site, "name", str, where, required=True)
@@ -355,10 +368,28 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         runtime_port=_port(_get(site, "runtime_port", int, where, 0), "runtime_port", where),
         share_activations=_get(site, "share_activations", bool, where, False),
         bounds=dict(bounds),
+        privacy=_privacy(doc, path),
     )
     if check_files:
         check_site_files(cfg, secure=True)
     return cfg
+
+
+def _privacy(doc: dict[str, Any], path: Path) -> PrivacySetting | None:
+    """The ``[privacy]`` table as a :class:`PrivacySetting` (``None`` when absent)."""
+    if "privacy" not in doc:
+        return None
+    table = _table(doc, "privacy", path, _PRIVACY_KEYS)
+    where = f"{path} [privacy]"
+    epsilon = _get(table, "epsilon", (int, float), where)
+    try:
+        return PrivacySetting(
+            noise_multiplier=float(_get(table, "noise_multiplier", (int, float), where, 0.0)),
+            epsilon=None if epsilon is None else float(epsilon),
+            clip_norm=float(_get(table, "clip_norm", (int, float), where, 1.0)),
+            delta=float(_get(table, "delta", (int, float), where, DEFAULT_DELTA)))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def check_site_files(cfg: SiteConfig, secure: bool) -> None:

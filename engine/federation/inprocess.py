@@ -131,6 +131,8 @@ class ExchangeRecord:
     bytes_to_site: int
     bytes_from_site: int
     failed: str | None = None
+    #: the request's JSON settings (e.g. FedIOD's distillation ``step``), for the ledger
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 def run_exchange_rounds(
@@ -207,7 +209,7 @@ def run_exchange_rounds(
                                       "message": str(exc)})
                         if recorder:
                             recorder(ExchangeRecord(rnd, name, request.action, _shapes(request.tensors), {},
-                                                    sent, 0, str(exc)))
+                                                    sent, 0, str(exc), dict(request.config)))
                         continue
                     train_s[name] = train_s.get(name, 0.0) + time.perf_counter() - t0
                     got = tensor_bytes(reply.tensors)
@@ -216,7 +218,7 @@ def run_exchange_rounds(
                     answers[name] = reply
                     if recorder:
                         recorder(ExchangeRecord(rnd, name, request.action, _shapes(request.tensors),
-                                                _shapes(reply.tensors), sent, got))
+                                                _shapes(reply.tensors), sent, got, config=dict(request.config)))
                 requests = dialogue.send(answers)
         except StopIteration as stop:
             state = stop.value

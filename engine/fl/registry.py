@@ -27,6 +27,7 @@ EXCHANGE_METHODS: dict[str, str] = {
     "blackfed-v1": "engine.fl.blackfed:build_blackfed",
     "blackfed-v2": "engine.fl.blackfed:build_blackfed",
     "split-whitebox": "engine.fl.split_whitebox:build_split_whitebox",
+    "fediod": "engine.fl.fediod:build_fediod",
 }
 
 #: Dialogue methods that send activations of a site's images (split learning): a network site

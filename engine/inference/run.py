@@ -314,5 +314,8 @@ def infer_path(
         "engine_version": engine.__version__,
         "inputs": records,
     }
+    extra = getattr(meta, "extra", None) or {}  # a split bundle's view has none
+    if extra.get("distilled"):  # FedIOD's student: say how it was trained and at what privacy cost
+        result["distilled"] = {"epsilon": extra.get("epsilon"), "delta": extra.get("delta")}
     write_text_atomic(out / ROUTING_FILE, json.dumps(result, indent=2, allow_nan=False) + "\n")
     return result

@@ -54,6 +54,8 @@ def _text(value: Any) -> str:
 def setup_from_config(config: dict[str, Any], path: str) -> SiteSetup:
     """Form fields from a site configuration as :func:`engine.api.read_site_config` returns it."""
     values = {f: next((_text(config[k]) for k in keys if k in config), "") for f, keys in _CONFIG_KEYS.items()}
+    privacy = config.get("privacy") or {}
+    values["dp_epsilon"] = _text(privacy.get("epsilon")) if isinstance(privacy, dict) else ""
     return SiteSetup(config_path=path, share_activations=bool(config.get("share_activations", False)), **values)
 
 
@@ -79,6 +81,14 @@ def site_toml(setup: SiteSetup) -> str:
         lines += [f"{key} = {quoted(value)}" for key, value in security]
         if hashes:
             lines.append(f"approved_apps = [{', '.join(quoted(h) for h in hashes)}]")
+    epsilon = setup.dp_epsilon.strip()
+    if epsilon:
+        # a number is written as one; anything else as a string, which the site refuses with a clear message
+        try:
+            value = repr(float(epsilon))
+        except ValueError:
+            value = quoted(epsilon)
+        lines += ["", "[privacy]", f"epsilon = {value}"]
     return "\n".join(lines) + "\n"
 
 

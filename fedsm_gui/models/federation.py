@@ -34,6 +34,8 @@ class SiteSetup:
     task: str = "fundus"
     datalist: str = ""
     app_hash: str = ""
+    #: FedIOD: the epsilon this site allows for a run's released gradients (``[privacy] epsilon``; empty: none)
+    dp_epsilon: str = ""
     config_path: str = ""
     #: The operator confirmed BlackFed's threat model: split-learning runs may send activations of
     #: this site's images and their masks to the coordinator (``[site] share_activations``).

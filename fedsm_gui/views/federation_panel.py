@@ -40,6 +40,7 @@ _FIELDS = (
     ("site_name", "Site name", None),
     ("datalist", "Datalist", "Datalist (*.json);;All files (*)"),
     ("app_hash", "Approved app hash", None),
+    ("dp_epsilon", "Privacy ε (FedIOD)", None),
 )
 #: What the operator confirms before a BlackFed run may use this site (docs/federation.md, split learning).
 SHARE_ACTIVATIONS_WARNING = (
@@ -95,6 +96,9 @@ class FederationPanel(QWidget):
         form.insertRow(4, "Task", self.task)
         self.fields["app_hash"].setToolTip("SHA-256 of the federated app this site agreed to run; the site "
                                            "refuses any other code")
+        self.fields["dp_epsilon"].setToolTip("FedIOD only: the privacy budget (epsilon, delta 1e-5) this site "
+                                             "allows for the gradients it releases during a run; empty = no noise. "
+                                             "Teacher answers are not covered (docs/architecture.md, FedIOD)")
         self.local_hash = ElidedLabel("")
         self.local_hash.setObjectName("local-app-hash")
         self.use_hash = QPushButton("This installation's app hash…")

@@ -50,6 +50,20 @@ def _fmt_dice(value: Any) -> str:
     return "—" if value is None else f"{float(value):.3f}"
 
 
+def _distilled_text(metadata: dict[str, Any], extra: dict[str, Any]) -> str:
+    """A single distilled model (FedIOD): no routing; the privacy budget each site spent."""
+    eps = extra.get("epsilon") or {}
+    dice = metadata.get("val_dice", {}) or {}
+    rows = "".join(
+        f"<tr><td>{site}</td><td align='right'>{_fmt_dice(dice.get(site))}</td>"
+        f"<td align='right'>{'no DP' if eps.get(site) is None else f'ε {float(eps[site]):.3g}'}</td></tr>"
+        for site in metadata.get("site_names", []))
+    return (f"<b>{metadata.get('task', '?')}</b> · distilled ({metadata.get('method', '?')}) · one model, "
+            f"no routing · taught by {len(metadata.get('site_names', []))} sites"
+            f"<br>labels: {', '.join(metadata.get('label_names', []))}"
+            f"<table><tr><th align='left'>site</th><th>validation Dice</th><th>privacy</th></tr>{rows}</table>")
+
+
 class SegmentationPanel(QGroupBox):
     """Concrete :class:`~fedsm_gui.views.bases.SegmentationView`."""
 
@@ -189,6 +203,10 @@ class SegmentationPanel(QGroupBox):
         self.bundle_label.setText(Path(path).name if path else "")
         self.bundle_label.setToolTip(path or "")
         dice = metadata.get("val_dice", {}) or {}
+        extra = metadata.get("extra") or {}
+        if extra.get("distilled"):
+            self.metadata_label.setText(_distilled_text(metadata, extra))
+            return
         rows = "".join(f"<tr><td>{site}</td><td align='right'>{_fmt_dice(dice.get(site))}</td></tr>"
                        for site in metadata.get("site_names", []))
         self.metadata_label.setText(

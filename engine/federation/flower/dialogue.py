@@ -287,6 +287,8 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     if runtime is None:
         runtime = SiteRuntime(worker.cfg.name, spec.site_names.index(worker.cfg.name), data.train,
                               load_site_state_before(worker.state_dir, session, rnd), validation=data.validation)
+        if getattr(worker.cfg, "privacy", None) is not None:  # site.toml [privacy], used by FedIOD's site half
+            runtime.state["privacy"] = worker.cfg.privacy
         runtimes[key] = runtime
     worker.events.emit("received", round=rnd, rounds=int(info["rounds"]), method=str(info["method"]),
                        bytes=records.record_bytes(content), action=request.action, exchange=exchange_id,
