@@ -180,6 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     except FedSMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # the file system or the network refused (a missing folder, no permission, a full disk): the
+        # user's environment, not a bug; say which path and why, in one line
+        print(f"error: {os_error_message(exc)}", file=sys.stderr)
+        return 2
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an :class:`OSError` that reached the command line: the path, the reason, what to do."""
+    where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    reason = exc.strerror or str(exc)
+    if where:
+        return (f"{where}: {reason}; check that the path exists, that its parent is a folder, and that you may "
+                "read or write it")
+    return f"{reason}; check the paths and permissions given"
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bundle.supermodel import file_sha256, load_bundle
+from engine.bundle.supermodel import file_sha256, load_bundle, read_metadata
 from engine.data.preprocess import (
     fundus_channels_to_label,
     normalise_rgb,
@@ -63,10 +63,9 @@ _hashes: dict[tuple[str, int, int], str] = {}
 
 
 def _bundle_sha256(path: Path) -> str:
-    try:
-        stat = path.stat()
-    except OSError:
-        return file_sha256(path)  # raises the bundle's own "not found" error
+    if not path.is_file():
+        read_metadata(path)  # raises the bundle's own "not found" / "is a folder" error
+    stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     with _lock:
         known = _hashes.get(key)

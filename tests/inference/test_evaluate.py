@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from testsupport import write_photo_site
+from testsupport import fedavg_network_bundle, write_photo_site
 
 from engine import api
 from engine.bundle import load_bundle, read_metadata, save_bundle
@@ -106,21 +105,6 @@ def test_evaluate_cli_prints_the_table_and_writes_json(bundle, sites, tmp_path, 
         evaluate_bundle(bundle, sites, model_choice="personal:east", device="cpu")
     assert main(["evaluate", "--model", str(bundle), "--datalist", str(sites[0]), "--split", "validation"]) == 2
     assert "'validation' section is empty" in capsys.readouterr().err
-
-
-def fedavg_network_bundle(work: Path) -> Path:
-    """What the coordinator writes for a FedAvg run (engine.federation.flower.server.write_results)."""
-    from engine.federation.flower.server import write_results
-    from engine.federation.spec import MethodSpec
-
-    torch.manual_seed(0)
-    spec = MethodSpec(method="fedavg", task="fundus", site_names=("north", "south"), rounds=2, image_size=32)
-    cfg = SimpleNamespace(spec=spec, work_dir=work)
-    state = {"global": build_segmentation_net(3, 2).state_dict()}
-    work.mkdir(parents=True, exist_ok=True)
-    summary = write_results(cfg, SimpleNamespace(total_rounds=2), state, [], "session1", "sha256:" + "0" * 64)
-    assert summary["files"] == {"global": "global.safetensors"}
-    return work / "global.safetensors"
 
 
 def test_fedavg_network_bundle_opens_in_infer_and_evaluate(sites, tmp_path, capsys):
