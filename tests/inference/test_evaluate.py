@@ -137,3 +137,14 @@ def test_single_model_bundle_round_trip_and_refusals(tmp_path):
     assert all(torch.equal(loaded.global_weights[k], v) for k, v in weights.items())
     with pytest.raises(ConfigError, match="does not produce a single global model"):
         single_model_bundle("fundus", "fedsm", weights, ["a"], 32)
+
+
+def test_single_model_bundle_through_the_app_api(sites, tmp_path):
+    # the desktop app reads the metadata and calls segment_study (engine.api) on the opened study
+    model = fedavg_network_bundle(tmp_path / "coordinator")
+    meta = api.read_bundle_metadata(model)
+    study = open_study(load_datalist_with_info(sites[1])[0]["testing"][0]["image"])
+    seg = api.segment_study(model, study, device="cpu")
+    assert meta["routing"] == "none" and meta["site_names"] == ["north", "south"]
+    assert seg.models_used == {"global": 1} and seg.records[0].probabilities == {"global": 1.0}
+    assert seg.labels.array.shape == study.array.shape[:2] and seg.provenance().method == "fedavg"
