@@ -8,8 +8,9 @@ reply holds the method's weights, the training sample count and numeric metrics:
 else leaves the site (no image, no mask, no path; an error is reported to the coordinator
 without its details, which stay in the site's own log).
 
-``query`` messages: ``identify`` (insecure mode: the site tells its name) and ``finished``
-(the run is over).
+``query`` messages: ``identify`` (insecure mode: the site tells its name), ``evaluate`` (the final
+models' Dice on the site's validation and testing images, numbers only; see
+:mod:`engine.federation.flower.final_evaluation`) and ``finished`` (the run is over).
 """
 
 from __future__ import annotations
@@ -179,6 +180,10 @@ class SiteWorker:
 
         info = content.config_records.get(records.INFO, {})
         action = info.get("action")
+        if action == "evaluate":
+            from engine.federation.flower.final_evaluation import evaluate_at_site
+
+            return evaluate_at_site(self, content)
         if action == "finished":
             self.finished = True
             self.events.emit("finished", rounds=int(info.get("rounds", 0)))

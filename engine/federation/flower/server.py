@@ -125,8 +125,14 @@ def _acquire_server_task(address: str, timeout: float = 60.0) -> str:
 
 
 def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], history: list[dict[str, Any]],
-                  session: str, app_hash: str) -> dict[str, Any]:
-    """Write the trained models and ``summary.json``; return the summary."""
+                  session: str, app_hash: str,
+                  site_dice: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+    """Write the trained models and ``summary.json``; return the summary.
+
+    ``site_dice`` (``{site: {split: {model: Dice}}}``, the sites' final evaluation) fills the bundle's
+    ``val_dice`` and ``extra["site_dice"]``.
+    """
+    from engine.federation.flower.final_evaluation import bundle_val_dice
 
     spec = cfg.spec
     files: dict[str, str] = {}
@@ -140,8 +146,10 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
-            gamma=float(spec.gamma), rounds=method.total_rounds, val_dice={s: None for s in spec.site_names},
-            extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server"})
+            gamma=float(spec.gamma), rounds=method.total_rounds,
+            val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
+            extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
+                   "site_dice": site_dice or {}})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
@@ -153,13 +161,13 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
 
         bundle = single_model_bundle(spec.task, spec.method, state["global"], list(spec.site_names),
                                      spec.image_size, rounds=method.total_rounds,
-                                     val_dice={s: None for s in spec.site_names},
+                                     val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
                                      extra={"seed": spec.seed, "session": session, "app_hash": app_hash,
-                                            "trained_by": "fedsm server"})
+                                            "trained_by": "fedsm server", "site_dice": site_dice or {}})
         save_bundle(cfg.work_dir / "global.safetensors", bundle)
         files["global"] = "global.safetensors"
     summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
-               "rounds": history, "files": files}
+               "rounds": history, "files": files, "site_dice": site_dice or {}}
     write_text_atomic(cfg.work_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -257,7 +265,8 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
                                   app.hash, cancel=stop, address=cfg.address)
         result: dict[str, Any] = {}
         build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
-        summary = write_results(cfg, method, result["state"], runner.history, session, app.hash)
+        summary = write_results(cfg, method, result["state"], runner.history, session, app.hash,
+                                result.get("site_dice"))
         status, details = "completed", ""
         return summary
     finally:
