@@ -200,12 +200,15 @@ def read_provenance(path: Path) -> Provenance:
 
 def benchmark(preset: str, out_dir: Path, *, fresh: bool = False, device: str = "auto", threads: int = 1,
               docs_dir: Path | None = None, command: str | None = None, progress: ProgressFn | None = None,
-              cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
-    """Run or resume ``fedsm bench`` (see :func:`engine.bench.runner.run_benchmark`); return its summary."""
+              cancel: Callable[[], bool] | None = None, **reduce: Any) -> dict[str, Any]:
+    """Run or resume ``fedsm bench`` (see :func:`engine.bench.runner.run_benchmark`); return its summary.
+
+    ``reduce`` (``tasks``, ``seeds``, ``methods``, ``main_only``) runs a reduced version of the preset.
+    """
     from engine.bench.runner import run_benchmark
 
     return run_benchmark(preset, Path(out_dir), fresh=fresh, device=device, threads=threads, docs_dir=docs_dir,
-                         command=command, progress=progress, cancel=cancel)
+                         command=command, progress=progress, cancel=cancel, **reduce)
 
 
 def describe_device(device: str = "auto") -> dict[str, Any]:

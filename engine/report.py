@@ -114,13 +114,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("supermodel"):
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():
+            if s.get("error"):
+                lines.append(f"- {METHOD_TITLES[name]}: not written ({s['error']})")
+                continue
             lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
 
 
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:
     """Write ``report.json`` and ``report.md`` atomically."""
+    from engine.io.privacy import scrub_absolute_paths
     from engine.simulate import report_json
 
+    # Folder names can name patients or sites: the report keeps no absolute path.
+    report = scrub_absolute_paths(report, out_dir)
     write_text_atomic(Path(out_dir) / "report.json", report_json(report) + "\n")
     write_text_atomic(Path(out_dir) / "report.md", render_markdown(report))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, FedSMError
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,11 @@ ALL_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm",
 #: SoftPull lam per task when none is given (the paper's best values).
 DEFAULT_LAM = {"fundus": 0.7, "prostate": 0.3}
 REPORT_SCHEMA = "fedsm-simulation-report/1"
+
+
+def extra_rounds_default(rounds: int) -> int:
+    """FedSM-extra's selector rounds when none are given: half the training rounds, rounded up (paper: 100 + 50)."""
+    return max(1, -(-int(rounds) // 2))
 
 
 @dataclass
@@ -59,6 +64,10 @@ class SimulationConfig:
     #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
     #: count and no synthetic data is made.
     datalists: tuple[str, ...] = ()
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.01
+    loss: str = "dice"
+    keep_best: bool = True
 
     def __post_init__(self) -> None:
         get_task(self.task)
@@ -80,14 +89,15 @@ class SimulationConfig:
 
             check_lam(self.lam, self.sites)
         if self.extra_rounds is None:
-            self.extra_rounds = self.rounds
+            self.extra_rounds = extra_rounds_default(self.rounds)
 
     def training(self) -> Any:
         from engine.fl.local_training import LocalTrainingConfig
 
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                    selector_lr=self.selector_lr, selector_size=self.selector_size,
-                                   selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device)
+                                   selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device,
+                                   lr_schedule=self.lr_schedule, lr_min_ratio=self.lr_min_ratio, loss=self.loss)
 
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
@@ -126,6 +136,10 @@ class MethodResult:
     rounds: list[dict[str, Any]]
     bytes_per_round: dict[str, dict[str, float]]
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Round whose weights were evaluated (best by validation Dice; the last round with ``keep_best`` off).
+    best_round: int | None = None
+    #: :meth:`engine.fl.model_selection.BestRoundKeeper.summary` (empty with ``keep_best`` off).
+    model_selection: dict[str, Any] = field(default_factory=dict)
 
 
 class Simulation:
@@ -142,6 +156,8 @@ class Simulation:
         #: Optional ``hook(method, round, state, runtimes)`` called after every aggregation (the
         #: benchmarks record per-round curves with it); ``None`` leaves every run untouched.
         self.round_hook: Callable[[Any, int, dict[str, Any], list[Any]], None] | None = None
+        #: The best-round keeper of the last method run (``None`` with ``keep_best`` off).
+        self.last_keeper: Any = None
 
     # --- data ----------------------------------------------------------------------------
     def load_sites(self) -> None:
@@ -230,6 +246,7 @@ class Simulation:
             method.name = "centralized"  # type: ignore[misc]
             pooled_runtime = self._pooled_runtime()
             self._attach_round_hook(method, [pooled_runtime])
+            keeper = self._attach_best_round(method, [pooled_runtime])
             state, records = run_rounds(method, [pooled_runtime], self.cfg.rounds,
                                         progress=self.progress, cancel=self.cancel)
             weights = state["global"]
@@ -238,17 +255,19 @@ class Simulation:
             rounds, _ = self._round_summaries(records)
             zero = {"received_mean": 0.0, "sent_mean": 0.0, "received_total": 0.0, "sent_total": 0.0}
             return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds,
-                                {s.name: dict(zero) for s in self.sites})
+                                {s.name: dict(zero) for s in self.sites}, **self._selection(keeper, method))
 
         method = self._build_method(name)
         runtimes = self._runtimes()
         self._attach_round_hook(method, runtimes)
+        keeper = self._attach_best_round(method, runtimes)
         state, records = run_rounds(method, runtimes, method.total_rounds, progress=self.progress,
                                     cancel=self.cancel)
         if name == "local":
             models = [rt.state["local_model"] for rt in runtimes]
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
+            extra["cross_site"] = self._cross_site(models)
         elif name in ("fedsm", "fedsm-extra") or isinstance(method, FedSM):
             per_site, client_avg, pooled, extra = self._evaluate_supermodel(method, state, records)
         else:
@@ -257,7 +276,44 @@ class Simulation:
             extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
-                            extra)
+                            extra, **self._selection(keeper, method))
+
+    def _attach_best_round(self, method: Any, runtimes: list[Any]) -> Any:
+        """With ``keep_best``: a :class:`~engine.fl.model_selection.BestRoundKeeper` on ``method`` (else ``None``)."""
+        if not self.cfg.keep_best:
+            return None
+        from engine.fl.model_selection import BestRoundKeeper, attach_best_round
+
+        keeper = BestRoundKeeper(self.task, self.sites, self.cfg.device)
+        attach_best_round(method, runtimes, keeper)
+        self.last_keeper = keeper
+        return keeper
+
+    @staticmethod
+    def _selection(keeper: Any, method: Any) -> dict[str, Any]:
+        if keeper is None:
+            return {"best_round": method.rounds, "model_selection": {}}
+        summary = keeper.summary()
+        return {"best_round": summary.get("best_round"), "model_selection": summary}
+
+    def _cross_site(self, models: list[Any]) -> dict[str, Any]:
+        """Local baseline scored as the paper scores it: every site's model on *every* site's test data.
+
+        ``per_model[site]`` is that site's model's client average over all sites; ``client_average``
+        and ``pooled`` average those over the models (the own-site scores stay in the main result).
+        """
+        from engine.fl.evaluation import segment_with
+
+        per_model: dict[str, dict[str, float]] = {}
+        pooled: list[dict[str, float]] = []
+        for j, site in enumerate(self.sites):
+            _, avg, pool = self._evaluate(lambda k, x, j=j: segment_with(self.task, models[j], x, self.cfg.device))
+            per_model[site.name] = avg
+            pooled.append(pool)
+        keys = [*self.task.label_names, "mean"]
+        return {"per_model": per_model,
+                "client_average": {k: float(np.mean([v[k] for v in per_model.values()])) for k in keys},
+                "pooled": {k: float(np.mean([v[k] for v in pooled])) for k in keys}}
 
     def run_exchange_method(self, name: str) -> MethodResult:
         """Train and evaluate a dialogue method (:mod:`engine.fl.exchange`) through the in-process transport.
@@ -424,18 +480,22 @@ class Simulation:
                 self.progress({"event": "method_end", "method": name, "client_average": result.client_average,
                                "wall_s": round(result.wall_s, 2)})
         supermodel: dict[str, Any] = {}
-        for name, file in (("fedsm", "supermodel.safetensors"), ("fedsm-extra", "supermodel-extra.safetensors")):
-            if name in bundles:
-                path = self.out_dir / file
-                digest = save_bundle(path, bundles[name])
-                supermodel[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
-        # FedAvg, FedProx, Scaffold: their global model as a single-model bundle <method>.safetensors
         global_models: dict[str, Any] = {}
+        failed: list[str] = []
+        # FedSM's super models under their historic names; FedAvg, FedProx, Scaffold (and the other
+        # methods with a bundle) as a single-model bundle <method>.safetensors.
+        files = {"fedsm": "supermodel.safetensors", "fedsm-extra": "supermodel-extra.safetensors"}
         for name, bundle in bundles.items():
-            if name not in ("fedsm", "fedsm-extra"):
-                path = self.out_dir / f"{name}.safetensors"
+            file = files.get(name, f"{name}.safetensors")
+            entries = supermodel if name in files else global_models
+            path = self.out_dir / file
+            try:
                 digest = save_bundle(path, bundle)
-                global_models[name] = {"path": path.name, "sha256": digest, "bytes": path.stat().st_size}
+                entries[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
+            except Exception as exc:  # a full disk or a failing write: the report is still written
+                reason = _write_failure(exc)
+                entries[name] = {"path": None, "error": f"could not write {file}: {reason}"}
+                failed.append(f"{file} ({reason})")
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -449,8 +509,24 @@ class Simulation:
             "traffic": traffic_summary(self.task, self.cfg, len(self.sites), results),
             "wall_s": round(time.perf_counter() - started, 2),
         }
-        write_reports(self.out_dir, report)
+        try:
+            write_reports(self.out_dir, report)
+        except Exception as exc:
+            raise FedSMError(f"training finished, but the report could not be written to {self.out_dir} "
+                             f"({_write_failure(exc)})" + (f"; nor could {', '.join(failed)}" if failed else "")
+                             + "; free disk space or choose another --out and run again") from None
+        if failed:
+            raise FedSMError(f"training finished and the report was written to {self.out_dir}, but "
+                             f"{', '.join(failed)} could not be written; free disk space or choose another --out "
+                             "and run again")
         return report
+
+
+def _write_failure(exc: BaseException) -> str:
+    """What went wrong with a file write, in one line (OSError's strerror, else the message)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _site_summary(site: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
-#: Analyses, in the order the runner does them.
-ANALYSES = ("main", "lam", "unseen", "personalization")
+#: Analyses, in the order the runner does them (``tune``: :mod:`engine.bench.tuning`).
+ANALYSES = ("tune", "main", "lam", "unseen", "personalization")
 
 
 def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
@@ -56,7 +56,8 @@ def resolved_device(device: str) -> str:
     return str(dev)
 
 
-def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str) -> dict[str, Any]:
+def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
+                 lr_for: dict[str, float] | None = None) -> dict[str, Any]:
     """The settings that determine a job's result (a cached result must match them).
 
     ``device`` is recorded resolved (``"auto"`` becomes ``"cpu"`` or ``"cuda"``), and the code
@@ -67,9 +68,17 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str) 
         "task": asdict(tp), "data_seed": preset.data_seed, "device": resolved_device(device),
         "training": {"epochs": preset.epochs, "batch_size": preset.batch_size, "lr": preset.lr,
                      "selector_lr": preset.selector_lr, "selector_size": preset.selector_size,
-                     "gamma": preset.gamma, "prox_mu": preset.prox_mu},
+                     "gamma": preset.gamma, "prox_mu": preset.prox_mu, "lr_schedule": preset.lr_schedule,
+                     "lr_min_ratio": preset.lr_min_ratio, "loss": preset.loss, "keep_best": preset.keep_best},
         "code": code_version(),
     }
+    from engine.bench.tuning import TUNE, parse_tune_label, tuned_method
+
+    if key.analysis == TUNE:
+        settings["training"]["lr"] = parse_tune_label(key.method)[1]
+        settings["tune_rounds"] = preset.tune_rounds or tp.rounds
+    elif lr_for and tuned_method(key) in lr_for:
+        settings["training"]["lr"] = lr_for[tuned_method(key)]
     if key.method.startswith("fedsm") or key.analysis != "main":
         settings["gammas"] = list(preset.gammas)
     if key.analysis == "lam":
@@ -163,14 +172,19 @@ class JobContext:
     progress: ProgressFn | None = None
     cancel: Callable[[], bool] | None = None
 
-    def config(self, seed: int, sites: int, lam: float | None = None) -> SimulationConfig:
+    #: Learning rate per method chosen on validation (:mod:`engine.bench.tuning`); others use the preset's.
+    lr_for: dict[str, float] = field(default_factory=dict)
+
+    def config(self, seed: int, sites: int, lam: float | None = None, lr: float | None = None,
+               rounds: int | None = None) -> SimulationConfig:
         """Simulation settings; a sweep ``lam`` is raised to ``1/K`` here, set exactly by :class:`BenchSimulation`."""
         p, tp = self.preset, self.tp
         return SimulationConfig(
-            task=tp.task, sites=sites, rounds=tp.rounds, methods=("fedsm",), image_size=tp.image_size, seed=seed,
-            lam=effective_lam(tp.lam if lam is None else lam, sites), gamma=p.gamma, epochs=p.epochs,
-            batch_size=p.batch_size, lr=p.lr, selector_lr=p.selector_lr, selector_size=p.selector_size,
-            prox_mu=p.prox_mu, device=self.device)
+            task=tp.task, sites=sites, rounds=rounds or tp.rounds, methods=("fedsm",), image_size=tp.image_size,
+            seed=seed, lam=effective_lam(tp.lam if lam is None else lam, sites), gamma=p.gamma, epochs=p.epochs,
+            batch_size=p.batch_size, lr=p.lr if lr is None else lr, selector_lr=p.selector_lr,
+            selector_size=p.selector_size, prox_mu=p.prox_mu, device=self.device, lr_schedule=p.lr_schedule,
+            lr_min_ratio=p.lr_min_ratio, loss=p.loss, keep_best=p.keep_best)
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,42 +232,60 @@ class CurveRecorder:
 # --------------------------------------------------------------------------------------------
 def _method_result(result: Any) -> dict[str, Any]:
     extra = {k: v for k, v in result.extra.items() if k != "bundle"}
+    selection = {k: v for k, v in result.model_selection.items() if k != "curve"}
     return {"dice": result.dice, "client_average": result.client_average, "pooled": result.pooled,
             "wall_s": result.wall_s, "rounds": result.rounds, "bytes_per_round": result.bytes_per_round,
-            "extra": extra}
+            "extra": extra, "best_round": result.best_round, "model_selection": selection}
 
 
 def _train(ctx: JobContext, sites: list[Any], method: str, seed: int, lam: float | None = None,
-           curves: bool = True) -> tuple[dict[str, Any], Any, dict[str, Any]]:
-    """Train and evaluate ``method``; return its result, its super model (FedSM) and final state."""
-    sim = BenchSimulation(ctx.config(seed, len(sites), lam), ctx.out_dir, sites, ctx.progress, ctx.cancel,
-                          softpull_lam=lam)
-    recorder = CurveRecorder(sim.task, sites, ctx.device, enabled=curves)
+           curves: bool = True, lr: float | None = None,
+           rounds: int | None = None) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """Train and evaluate ``method``; return its result, its super model (FedSM) and final state.
+
+    With the preset's ``keep_best`` the curves are the best-round keeper's validation scores
+    (computed anyway); otherwise a :class:`CurveRecorder` computes them.
+    """
+    sim = BenchSimulation(ctx.config(seed, len(sites), lam, lr, rounds), ctx.out_dir, sites, ctx.progress,
+                          ctx.cancel, softpull_lam=lam)
+    keep = ctx.preset.keep_best
+    recorder = CurveRecorder(sim.task, sites, ctx.device, enabled=curves and not keep)
     sim.round_hook = recorder
     start = time.perf_counter()
     result = sim.run_method(method)
     out = _method_result(result)
     out["wall_s"] = time.perf_counter() - start
+    out["lr"] = sim.cfg.lr
+    keeper = sim.last_keeper
+    if keeper is not None:
+        out["validation_s"] = keeper.eval_s
     if curves:
-        out["curves"] = recorder.points
-    return out, result.extra.get("bundle"), recorder.last_state
+        out["curves"] = keeper.points if keep and keeper is not None else recorder.points
+    state = keeper.final_state if keep and keeper is not None and keeper.final_state else recorder.last_state
+    return out, result.extra.get("bundle"), state
 
 
 def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Run one job and return its JSON-ready result."""
     from engine.bench.routing_analysis import gamma_sweep
+    from engine.bench.tuning import TUNE, parse_tune_label, tuned_method
 
     task = get_task(ctx.tp.task)
     names = [s.name for s in ctx.sites]
+    if key.analysis == TUNE:
+        method, lr = parse_tune_label(key.method)
+        out, _, _ = _train(ctx, ctx.sites, method, key.seed, lr=lr, rounds=ctx.preset.tune_rounds or ctx.tp.rounds)
+        return out
+    lr = ctx.lr_for.get(tuned_method(key))
     if key.analysis == "main":
-        out, bundle, _ = _train(ctx, ctx.sites, key.method, key.seed)
+        out, bundle, _ = _train(ctx, ctx.sites, key.method, key.seed, lr=lr)
         if key.method == "fedsm" and bundle is not None:
             out["gamma_sweep"] = gamma_sweep(task, bundle, [(s.name, s.test) for s in ctx.sites], ctx.preset.gammas,
                                              ctx.device, own_model={n: i + 1 for i, n in enumerate(names)})
         return out
     if key.analysis == "lam":
         lam = sweep_lam(lam_of(key.method))
-        out, _, _ = _train(ctx, ctx.sites, "fedsm", key.seed, lam=lam, curves=False)
+        out, _, _ = _train(ctx, ctx.sites, "fedsm", key.seed, lam=lam, curves=False, lr=lr)
         out["lam"] = lam
         out["lam_used"] = float(out["extra"]["lam"])  # what SoftPull used, as the simulation recorded it
         return out
@@ -265,7 +297,7 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
             raise ConfigError(f"unseen_site={ctx.preset.unseen_site} is not one of the {len(ctx.sites)} sites")
         train_sites = [s for i, s in enumerate(ctx.sites) if i != held]
         unseen = ctx.sites[held]
-        out, bundle, state = _train(ctx, train_sites, key.method, key.seed, curves=False)
+        out, bundle, state = _train(ctx, train_sites, key.method, key.seed, curves=False, lr=lr)
         out["unseen_site"] = unseen.name
         if key.method == "fedsm" and bundle is not None:
             own = {s.name: i + 1 for i, s in enumerate(train_sites)}
@@ -279,7 +311,7 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
             out["unseen_dice"] = float(dice_per_case(masks, unseen.test.masks, unseen.test.case_ids).mean())
         return out
     if key.analysis == "personalization":
-        out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False)
+        out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False, lr=lr)
         return out
     from engine.errors import ConfigError
 

@@ -60,6 +60,18 @@ class BenchPreset:
         Seeds of the lam sweep, unseen-site and personalization runs.
     perf
         Whether to measure speed, traffic and memory (:mod:`engine.bench.perf`).
+    lr_schedule, lr_min_ratio, loss
+        Training recipe (:class:`engine.fl.local_training.LocalTrainingConfig`).
+    keep_best
+        Evaluate each method at its best round by validation Dice (:mod:`engine.fl.model_selection`).
+    lr_grid
+        Learning rates tried per method on validation before the main comparison (empty: use ``lr``
+        for every method); each candidate gets the same rounds (``tune_rounds``, default the task's)
+        and seed (the first analysis seed), and the main runs use each method's best
+        (:mod:`engine.bench.tuning`).
+    plateau_share, plateau_tolerance
+        Plateau criterion the report checks: validation Dice within ``plateau_tolerance``
+        (max - min) over the last ``plateau_share`` of the training rounds.
     """
 
     name: str
@@ -86,6 +98,14 @@ class BenchPreset:
     perf_memory: bool = True
     description: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.01
+    loss: str = "dice"
+    keep_best: bool = True
+    lr_grid: tuple[float, ...] = ()
+    tune_rounds: int | None = None
+    plateau_share: float = 0.2
+    plateau_tolerance: float = 0.01
 
     def task(self, name: str) -> TaskPreset:
         """The :class:`TaskPreset` of task ``name``."""
@@ -118,6 +138,16 @@ PRESETS: dict[str, BenchPreset] = {
                TaskPreset("prostate", sites=6, image_size=32, rounds=5, slices=6, lam=0.3)),
         seeds=(0, 1, 2), batch_size=8,
     ),
+    "cpu-converged": BenchPreset(
+        name="cpu-converged",
+        description="The full study trained to a plateau on a 2-core CPU: 6 sites per task, 64 px fundus, 32 px "
+                    "prostate, 60 rounds with a cosine learning-rate decay, best round by validation, the "
+                    "learning rate of every method tuned on validation (docs/results.md, Convergence recipe)",
+        tasks=(TaskPreset("fundus", sites=6, image_size=64, rounds=60, lam=0.7),
+               TaskPreset("prostate", sites=6, image_size=32, rounds=60, slices=12, lam=0.3)),
+        seeds=(0, 1, 2), batch_size=8, lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.01, loss="dice",
+        keep_best=True, lr_grid=(3e-4, 1e-3, 3e-3), tune_rounds=30,
+    ),
     "paper": BenchPreset(
         name="paper",
         description="The paper's scale: 256 x 256, 150 rounds, 1 local epoch; meant for a GPU",
@@ -134,3 +164,33 @@ def get_preset(name: str) -> BenchPreset:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown benchmark preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+
+
+def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
+                    main_only: bool = False, methods: tuple[str, ...] | None = None) -> BenchPreset:
+    """A reduced copy of ``preset``: only ``tasks``, main-comparison ``seeds`` and ``methods``; ``main_only``
+    also drops the performance figures, the learning-rate tuning and the analyses (lam sweep, unseen
+    site, personalization).
+
+    The preset keeps its name and every training setting, so the results (and cache entries) are
+    the full preset's for the jobs that run.
+    """
+    from dataclasses import replace
+
+    out = preset
+    if tasks:
+        unknown = [t for t in tasks if t not in {tp.task for tp in preset.tasks}]
+        if unknown:
+            raise ConfigError(f"preset {preset.name} has no task(s) {unknown}; it has "
+                              f"{', '.join(tp.task for tp in preset.tasks)}")
+        out = replace(out, tasks=tuple(tp for tp in preset.tasks if tp.task in tasks))
+    if seeds:
+        out = replace(out, seeds=tuple(seeds))
+    if methods:
+        unknown = [m for m in methods if m not in preset.methods]
+        if unknown:
+            raise ConfigError(f"preset {preset.name} has no method(s) {unknown}; it has {', '.join(preset.methods)}")
+        out = replace(out, methods=tuple(m for m in preset.methods if m in methods))
+    if main_only:
+        out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=())
+    return out

@@ -145,6 +145,7 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
                  ("scaffold", "fedavg")):
         if a in by and b in by:
             lines.append(f"- {T[a]} − {T[b]}: {_diff(tables.paired_difference(results, task_name, a, b))}")
+    lines += _best_round_lines(results, preset, task_name)
     sites, site_rows = tables.per_site_rows(results, task_name, preset.methods)
     if site_rows:
         lines += ["", f"Per-site test Dice ({task_name}, mean over structures and seeds):", ""]
@@ -179,6 +180,77 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
         lines += ["", "Training curves (the paper's Figure 2 analogue; mean over seeds):", "",
                   f"![{task_name} training curves]({rel})"]
     return lines
+
+
+def _best_round_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, task_name: str) -> list[str]:
+    """Per-seed FedSM differences at each method's best round, and the plateau criterion per method."""
+    tp = preset.task(task_name)
+    lines: list[str] = []
+    pairs = [(a, b) for a, b in (("fedsm", "fedavg"), ("fedsm", "centralized"))
+             if tables.paired_per_seed(results, task_name, a, b)]
+    if pairs and preset.keep_best:
+        lines += ["", "Per seed, at each method's best round by validation Dice (test Dice; rounds in brackets):",
+                  ""]
+        for a, b in pairs:
+            cells = [f"seed {s}: {v['diff']:+.4f} (rounds {v['rounds'][0]} / {v['rounds'][1]})"
+                     for s, v in tables.paired_per_seed(results, task_name, a, b).items()]
+            lines.append(f"- {T[a]} − {T[b]}: " + "; ".join(cells))
+    rows = tables.plateau_rows(results, task_name, preset.methods, tp.rounds, preset.plateau_share,
+                               preset.plateau_tolerance)
+    if rows and any(r["per_seed"] and any(c["points"] for c in r["per_seed"].values()) for r in rows):
+        first = int(tp.rounds * (1 - preset.plateau_share)) + 1
+        lines += ["", f"Plateau criterion ({task_name}): validation Dice (client average; Local: each site's model "
+                      f"on its own site) flat within {preset.plateau_tolerance} (max − min) over rounds "
+                      f"{first}–{tp.rounds}, the last {preset.plateau_share:.0%} of the training rounds:", ""]
+        body = []
+        for r in rows:
+            seeds = "; ".join(
+                f"seed {s}: span {c['span']:.4f}" + ("" if c["flat"] is None else (" flat" if c["flat"] else
+                                                                                  " NOT flat"))
+                + (f", best round {c['best_round']}" if c.get("best_round") is not None else "")
+                for s, c in r["per_seed"].items())
+            verdict = "not measured" if r["flat"] is None else ("plateaued" if r["flat"] else "NOT plateaued")
+            body.append([T.get(r["method"], r["method"]), verdict, seeds])
+        lines += _table(["method", "verdict", "per seed"], body)
+    return lines
+
+
+def _tuning_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset) -> list[str]:
+    """The learning rate each method ran with, and the validation Dice of every candidate (tuning)."""
+    if not preset.lr_grid:
+        return []
+    from engine.bench.tuning import chosen_lrs, tuning_table
+
+    lines = [f"- Learning rate per method chosen on validation Dice from {list(preset.lr_grid)} "
+             f"(same rounds and seed for every candidate):"]
+    for tp in preset.tasks:
+        table = tuning_table(results, tp.task)
+        chosen = chosen_lrs(results, tp.task, preset)
+        for method, lrs in table.items():
+            cells = ", ".join(f"{lr:g}: {d:.4f}" for lr, d in sorted(lrs.items()))
+            lines.append(f"  - {tp.task} {T.get(method, method)}: chose {chosen.get(method, preset.lr):g} "
+                         f"(best validation Dice per lr: {cells})")
+    return lines
+
+
+def _time_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset) -> list[str]:
+    """Where the time went: per task, method and analysis, job seconds and the validation share."""
+    lines = ["## Where the time goes", "",
+             "Job wall time per task, analysis and method (summed over seeds); `validation` is the time spent "
+             "scoring every round on the validation split to keep the best round.", ""]
+    any_rows = False
+    for tp in preset.tasks:
+        rows = tables.time_rows(results, tp.task)
+        if not rows:
+            continue
+        any_rows = True
+        total = sum(r["wall_s"] for r in rows)
+        lines += [f"{tp.task}: {total:.0f} s in {sum(r['jobs'] for r in rows)} jobs", ""]
+        lines += _table(["analysis", "method", "jobs", "wall s", "share", "validation s"],
+                        [[r["analysis"], T.get(r["method"], r["method"]), str(r["jobs"]), f"{r['wall_s']:.0f}",
+                          f"{r['share']:.0%}", f"{r['validation_s']:.0f}"] for r in rows])
+        lines.append("")
+    return lines if any_rows else []
 
 
 def _lam_used(row: dict[str, Any]) -> str:
@@ -406,7 +478,12 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         "every training seed; the seed changes initialisation and batch order).",
         f"- Training: {preset.epochs} local epoch(s) per round, batch {preset.batch_size}, Adam lr {preset.lr}, "
         f"selector lr {preset.selector_lr} on {preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
-        f"{preset.prox_mu}.",
+        f"{preset.prox_mu}; U-Net lr schedule {preset.lr_schedule}"
+        + (f" (down to {preset.lr_min_ratio} x lr)" if preset.lr_schedule == "cosine" else "")
+        + f", loss {preset.loss}; "
+        + ("each method evaluated at its best round by validation Dice." if preset.keep_best
+           else "each method evaluated at its last round."),
+        *_tuning_lines(results, preset),
         "",
         "| task | sites | image px | rounds | slices/volume | lam |",
         "|---|---|---|---|---|---|",
@@ -431,6 +508,7 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
     for tp in preset.tasks:
         lines += _analysis_sections(results, preset, tp.task, img, docs)
     lines += _perf_section(results, docs)
+    lines += ["", *_time_section(results, preset)]
     lines += ["", "## Configuration", "", "```json", json.dumps(preset.to_json(), indent=1), "```", ""]
     return "\n".join(lines)
 

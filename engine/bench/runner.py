@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.bench.cache import JobKey, ResultCache
-from engine.bench.presets import BenchPreset, get_preset
+from engine.bench.presets import BenchPreset, get_preset, restrict_preset
 from engine.errors import CancelledError
 from engine.io.atomic import write_text_atomic
 
@@ -39,10 +39,12 @@ def lam_label(lam: float) -> str:
 def plan_jobs(preset: BenchPreset) -> list[JobKey]:
     """Every job of ``preset`` in the order they run."""
     from engine.bench.jobs import effective_lam, sweep_lam
+    from engine.bench.tuning import tune_jobs
 
     jobs: list[JobKey] = []
     if preset.perf:
         jobs.append(JobKey(ALL_TASKS, "perf", "perf", 0))
+    jobs += tune_jobs(preset)  # before everything that trains with the chosen learning rates
     for seed in preset.seeds:
         for tp in preset.tasks:
             jobs += [JobKey(tp.task, "main", m, seed) for m in preset.methods]
@@ -95,7 +97,9 @@ def machine_label(machine: dict[str, Any] | None) -> str:
 
 def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, device: str = "auto",
                   threads: int = 1, docs_dir: Path | None = None, command: str | None = None,
-                  progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
+                  progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,
+                  tasks: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
+                  main_only: bool = False, methods: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Run (or resume) a benchmark and write its report.
 
     Parameters
@@ -112,6 +116,8 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
         Also write ``results.md`` and ``img/results/*.png`` there (the repository's ``docs``).
     command
         The command line recorded in the report.
+    tasks, seeds, main_only, methods
+        Run a reduced version (:func:`engine.bench.presets.restrict_preset`).
 
     Returns
     -------
@@ -124,7 +130,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     from engine.bench.perf import measure_all, perf_settings
     from engine.bench.report import write_report
 
-    preset = get_preset(preset_name)
+    preset = restrict_preset(get_preset(preset_name), tasks, seeds, main_only, methods)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(int(threads), 1))
@@ -139,11 +145,31 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
         if progress:
             progress(event)
 
+    def settings_for(key: JobKey) -> dict[str, Any]:
+        if key.task == ALL_TASKS:
+            return perf_settings(preset, device)
+        return job_settings(preset, preset.task(key.task), key, device, lr_for=chosen_lrs_cached(key.task))
+
+    def chosen_lrs_cached(task: str) -> dict[str, float]:
+        """Learning rates chosen on validation so far (read from the cached tuning jobs)."""
+        from engine.bench.tuning import TUNE, chosen_lrs
+
+        if not preset.lr_grid:
+            return {}
+        tp = preset.task(task)
+        found = {}
+        for k in jobs:
+            if k.task == task and k.analysis == TUNE:
+                doc = cache.load(k, job_settings(preset, tp, k, device))
+                if doc is not None:
+                    found[k] = doc["result"]
+        return chosen_lrs(found, task, preset)
+
     for i, key in enumerate(jobs, start=1):
         if cancel is not None and cancel():
             raise CancelledError(f"benchmark cancelled before job {key.label}")
         tp = preset.task(key.task) if key.task != ALL_TASKS else None
-        settings = perf_settings(preset, device) if tp is None else job_settings(preset, tp, key, device)
+        settings = settings_for(key)
         if not fresh and cache.load(key, settings) is not None:
             summary["cached"].append(key.label)
             continue
@@ -156,6 +182,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
                 if tp.task not in contexts:
                     contexts[tp.task] = JobContext(preset, tp, load_task_sites(preset, tp, out_dir, progress),
                                                    out_dir / "work", device, progress, cancel)
+                contexts[tp.task].lr_for = chosen_lrs_cached(tp.task)
                 result = run_job(contexts[tp.task], key)
         except CancelledError:
             raise
@@ -178,13 +205,10 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
             "finished": datetime.now(UTC).isoformat(timespec="seconds"), "run": summary,
             "planned": [k.label for k in jobs]}
     report_paths = write_report(cache, preset, meta, out_dir / "report", img_prefix="img",
-                                settings_for=lambda k: (perf_settings(preset, device) if k.task == ALL_TASKS
-                                                        else job_settings(preset, preset.task(k.task), k, device)))
+                                settings_for=settings_for)
     if docs_dir is not None:
         write_report(cache, preset, meta, Path(docs_dir), img_prefix="img/results", img_dir=Path(docs_dir) / "img"
-                     / "results", settings_for=lambda k: (perf_settings(preset, device) if k.task == ALL_TASKS
-                                                          else job_settings(preset, preset.task(k.task), k, device)),
-                     preserve_reading=True)
+                     / "results", settings_for=settings_for, preserve_reading=True)
         summary["docs"] = str(Path(docs_dir) / "results.md")
     summary["report"] = str(report_paths)
     write_text_atomic(out_dir / "summary.json", json.dumps(meta, indent=1) + "\n")

@@ -263,3 +263,65 @@ def loss_series(results: Results, task: str, methods: Iterable[str]) -> dict[str
             n = min(len(v) for v in per_run)
             out[m] = [float(np.mean([v[i] for v in per_run])) for i in range(n)]
     return out
+
+
+def plateau(curve: list[dict[str, Any]], series: str, rounds: int, share: float = 0.2,
+            tolerance: float = 0.01) -> dict[str, Any]:
+    """Plateau criterion on one validation curve: max - min over the last ``share`` of the training rounds.
+
+    Uses the points with ``round > rounds * (1 - share)`` (at least two). ``flat`` is ``None`` when
+    the curve has fewer than two points there (not evaluated every round, or too short).
+    """
+    start = rounds * (1.0 - share)
+    values = [float(p[series]) for p in curve
+              if p.get("round", 0) > start and series in p and p[series] is not None and math.isfinite(p[series])]
+    if len(values) < 2:
+        return {"span": float("nan"), "flat": None, "points": len(values)}
+    span = max(values) - min(values)
+    return {"span": span, "flat": span <= tolerance + 1e-9, "points": len(values), "last": values[-1]}
+
+
+def curve_key(method: str) -> str:
+    """Series the plateau criterion reads: the site models for Local, the global model otherwise."""
+    return "personal" if method == "local" else "global"
+
+
+def plateau_rows(results: Results, task: str, methods: Iterable[str], rounds: int, share: float,
+                 tolerance: float) -> list[dict[str, Any]]:
+    """Per method and seed: validation span over the last ``share`` of rounds, flat or not, best round."""
+    rows = []
+    for m in methods:
+        runs = _select(results, task, "main", m)
+        if not runs:
+            continue
+        per_seed = {}
+        for seed, r in sorted(runs.items()):
+            check = plateau(r.get("curves") or [], curve_key(m), rounds, share, tolerance)
+            check["best_round"] = r.get("best_round")
+            per_seed[seed] = check
+        flats = [c["flat"] for c in per_seed.values()]
+        verdict = None if any(f is None for f in flats) else all(flats)
+        rows.append({"method": m, "per_seed": per_seed, "flat": verdict})
+    return rows
+
+
+def paired_per_seed(results: Results, task: str, a: str, b: str) -> dict[int, dict[str, Any]]:
+    """Per seed: ``a - b`` client-average mean test Dice and each method's best round."""
+    ra, rb = _select(results, task, "main", a), _select(results, task, "main", b)
+    return {s: {"diff": ra[s]["client_average"]["mean"] - rb[s]["client_average"]["mean"],
+                "rounds": (ra[s].get("best_round"), rb[s].get("best_round"))} for s in sorted(set(ra) & set(rb))}
+
+
+def time_rows(results: Results, task: str) -> list[dict[str, Any]]:
+    """Where a task's time went: per method and analysis, total job seconds, share and validation share."""
+    by: dict[tuple[str, str], dict[str, float]] = {}
+    for k, r in results.items():
+        if k.task != task:
+            continue
+        entry = by.setdefault((k.analysis, k.method), {"wall_s": 0.0, "validation_s": 0.0, "jobs": 0})
+        entry["wall_s"] += float(r.get("job_wall_s", r.get("wall_s", 0.0)) or 0.0)
+        entry["validation_s"] += float(r.get("validation_s", 0.0) or 0.0)
+        entry["jobs"] += 1
+    total = sum(e["wall_s"] for e in by.values()) or 1.0
+    return [{"analysis": a, "method": m, **e, "share": e["wall_s"] / total}
+            for (a, m), e in sorted(by.items(), key=lambda kv: -kv[1]["wall_s"])]

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import engine
-from engine.errors import BundleError, ConfigError
+from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
 from engine.tasks import get_task
 
@@ -265,10 +265,15 @@ class BundleMetadata:
         BundleError
             When the text is not FedSM metadata, comes from a newer FedSM, or is inconsistent.
         """
+        from engine.io.guard import load_json
+
+        if not isinstance(text, str):
+            raise BundleError(f"its FedSM metadata is a {type(text).__name__}, not JSON text; it was not written by "
+                              "FedSM")
         try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise BundleError(f"its FedSM metadata is not valid JSON ({exc})") from exc
+            raw = load_json(text, "its FedSM metadata")
+        except DataError as exc:
+            raise BundleError(str(exc)) from None
         if not isinstance(raw, dict) or raw.get("format") != BUNDLE_FORMAT:
             raise BundleError(f"it was not written by FedSM (metadata format is not {BUNDLE_FORMAT!r})")
         # The version is checked before anything else: a newer layout may have other fields.
@@ -286,6 +291,9 @@ class BundleMetadata:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise BundleError(f"its metadata has unknown fields {unknown}; it may come from a newer FedSM")
+        from engine.bundle.schema import check_metadata
+
+        check_metadata(raw)
         try:
             return cls(**raw)
         except TypeError as exc:
@@ -429,10 +437,12 @@ def _read_header(path: Path) -> dict[str, Any]:
             header_bytes = fh.read(header_len)
     except OSError as exc:
         raise BundleError(f"{path}: cannot be read ({exc}); check permissions") from exc
+    from engine.io.guard import load_json
+
     try:
-        header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise BundleError(f"{not_safetensors} [header is not JSON]") from None
+        header = load_json(header_bytes, "header")
+    except DataError as exc:
+        raise BundleError(f"{not_safetensors} [{exc}]") from None
     if not isinstance(header, dict):
         raise BundleError(f"{not_safetensors} [header is not a JSON object]")
     data_len = size - 8 - header_len
@@ -463,7 +473,7 @@ def read_metadata(path: PathLike) -> BundleMetadata:
     p = Path(path)
     header = _read_header(p)
     meta = header.get("__metadata__")
-    if not isinstance(meta, dict) or METADATA_KEY not in meta:
+    if not isinstance(meta, dict) or not isinstance(meta.get(METADATA_KEY), str):
         raise BundleError(
             f"{p}: this safetensors file was not written by FedSM (it has no {METADATA_KEY!r} metadata); "
             "choose a super-model bundle exported by FedSM"

@@ -62,7 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
     p.add_argument("--prox-mu", type=float, default=0.01)
-    p.add_argument("--extra-rounds", type=int, default=None, help="FedSM-extra selector rounds (default = rounds)")
+    p.add_argument("--extra-rounds", type=int, default=None,
+                   help="FedSM-extra selector rounds (default: rounds/2 rounded up, as the paper's 100 + 50)")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine", "step"], default="constant",
+                   help="U-Net learning rate over the training rounds (cosine: down to lr x --lr-min-ratio)")
+    p.add_argument("--lr-min-ratio", type=float, default=0.01, help="final lr of the cosine schedule, as a share")
+    p.add_argument("--loss", choices=["dice", "dicece"], default="dice", help="segmentation loss")
+    p.add_argument("--no-keep-best", dest="keep_best", action="store_false",
+                   help="evaluate the last round's models instead of each method's best round by validation Dice")
     p.add_argument("--data", type=Path, nargs="+", default=None, metavar="DATALIST_OR_DIR",
                    help="real sites: datalist JSON files, or folders holding them (DIR/*.json, DIR/*/datalist.json),"
                         " one datalist per site (see 'fedsm datalist'); default: synthetic sites in OUT/data")
@@ -144,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
                     gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                     selector_lr=args.selector_lr, selector_size=args.selector_size,
                     selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
+                    lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,
+                    keep_best=args.keep_best,
                     device=args.device, data_dir=data_dir, datalists=datalists)
         finally:
             progress.close()

@@ -170,13 +170,24 @@ def _check_scalar(path: Path, key: str, value: Any) -> None:
                         f"got {type(value).__name__}")
 
 
+def _depth_checked(path: Path, text: str) -> str:
+    """``text`` when its JSON nesting is within :data:`engine.io.guard.MAX_JSON_DEPTH` (no RecursionError)."""
+    from engine.io.guard import MAX_JSON_DEPTH, json_depth
+
+    depth = json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise DataError(f"{path}: JSON nested {depth} levels deep, more than the {MAX_JSON_DEPTH} a datalist may "
+                        "have; the file is damaged or not a datalist")
+    return text
+
+
 def _read_json(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: datalist not found; check the path, or write one with the site's "
                         "images and labels (see engine.data.datalist)")
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        doc = json.loads(_depth_checked(p, p.read_text(encoding="utf-8")))
     except UnicodeDecodeError as exc:
         raise DataError(f"{p}: not a UTF-8 text file ({exc}); a datalist is a JSON file") from exc
     except json.JSONDecodeError as exc:

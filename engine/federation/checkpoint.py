@@ -7,6 +7,14 @@ app hash, per-round history). It is written to a temporary file and renamed, so 
 leaves either the previous checkpoint or the new one, never half of one. Reading never
 unpickles anything.
 
+Every file carries the SHA-256 of its tensors (names, dtypes, shapes and bytes) in its
+metadata (``content_sha256``), checked when it is read: a flipped byte anywhere in a tensor
+is found, even when the file's header is intact. The coordinator keeps its newest
+``keep`` (default 3) checkpoints: ``checkpoint.safetensors`` is the newest, and
+``checkpoint.round-<r>.safetensors`` each round's (the newest shares its disk blocks with
+``checkpoint.safetensors``, a hard link). :func:`load_latest_valid` returns the newest one
+that reads and verifies, and says what was wrong with any newer one.
+
 ``fedsm server --resume`` continues from the round after the checkpoint's, with the same
 session id. Sites keep their own private state (Scaffold's control variate, a local model)
 under that session, one file per round (:func:`save_site_state`), and start every round from
@@ -16,7 +24,10 @@ computes exactly what it computed the first time.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,11 +38,16 @@ from engine.io.atomic import atomic_path
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 CHECKPOINT_FORMAT = "fedsm-federation-checkpoint"
 CHECKPOINT_VERSION = 1
 SITE_STATE_FORMAT = "fedsm-site-state"
 _META_KEY = "fedsm_checkpoint"
+_HASH_KEY = "content_sha256"
 _SEP = "::"
+#: How many checkpoints the coordinator keeps by default (the newest and the ones before it).
+KEEP_CHECKPOINTS = 3
 
 WeightSet = dict[str, dict[str, "torch.Tensor"]]
 
@@ -58,12 +74,31 @@ def _unflatten(flat: dict[str, torch.Tensor], path: Path) -> WeightSet:
     return parts
 
 
+def content_hash(flat: dict[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of named tensors: every name, dtype, shape and byte, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(flat):
+        tensor = flat[name].detach().to("cpu").contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        if tensor.numel():
+            digest.update(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
 def save_weightset(path: Path, parts: WeightSet, metadata: dict[str, Any]) -> Path:
-    """Write ``parts`` and JSON ``metadata`` to ``path`` atomically (safetensors)."""
+    """Write ``parts`` and JSON ``metadata`` to ``path`` atomically (safetensors).
+
+    The metadata also gets the tensors' :func:`content_hash`, which :func:`load_weightset`
+    checks.
+    """
     from safetensors.torch import save_file
 
+    flat = _flatten(parts)
+    meta = {**metadata, _HASH_KEY: content_hash(flat)}
     with atomic_path(path) as tmp:
-        save_file(_flatten(parts), str(tmp), metadata={_META_KEY: json.dumps(metadata, sort_keys=True)})
+        save_file(flat, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
     return Path(path)
 
 
@@ -87,6 +122,10 @@ def load_weightset(path: Path, expected_format: str) -> tuple[WeightSet, dict[st
         metadata = None
     if not isinstance(metadata, dict) or metadata.get("format") != expected_format:
         raise ConfigError(f"{path} is not a {expected_format} file")
+    expected = metadata.get(_HASH_KEY)
+    if expected is not None and content_hash(flat) != expected:
+        raise ConfigError(f"{path} is corrupt: its tensors do not match the content hash written with them "
+                          "(a changed or damaged byte); use an earlier checkpoint")
     return _unflatten(flat, path), metadata
 
 
@@ -101,11 +140,31 @@ class Checkpoint:
     app_hash: str
     history: list[dict[str, Any]] = field(default_factory=list)
 
-    def save(self, path: Path) -> Path:
+    def save(self, path: Path, keep: int | None = None) -> Path:
+        """Write the checkpoint to ``path``.
+
+        With ``keep``, it is written as ``<stem>.round-<r>.safetensors`` beside ``path``,
+        ``path`` then names the same file (a hard link; a copy where links are impossible),
+        and only the newest ``keep`` round files are kept.
+        """
         meta = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "round": self.round,
                 "spec": self.spec_json, "session": self.session, "app_hash": self.app_hash,
                 "history": self.history}
-        return save_weightset(path, self.state, meta)
+        if keep is None:
+            return save_weightset(path, self.state, meta)
+        path = Path(path)
+        numbered = save_weightset(round_path(path, self.round), self.state, meta)
+        with atomic_path(path) as tmp:
+            tmp.unlink()
+            try:
+                os.link(numbered, tmp)
+            except OSError:
+                import shutil
+
+                shutil.copyfile(numbered, tmp)
+        for _rnd, old in sorted(round_files(path).items())[:-max(keep, 1)]:
+            old.unlink(missing_ok=True)
+        return path
 
     @classmethod
     def load(cls, path: Path) -> Checkpoint:
@@ -118,6 +177,55 @@ class Checkpoint:
                        list(meta.get("history", [])))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: incomplete checkpoint metadata ({exc})") from None
+
+
+def round_path(path: Path, rnd: int) -> Path:
+    """Where :meth:`Checkpoint.save` keeps round ``rnd``'s checkpoint beside ``path``."""
+    path = Path(path)
+    return path.with_name(f"{path.name.removesuffix('.safetensors')}.round-{rnd}.safetensors")
+
+
+def round_files(path: Path) -> dict[int, Path]:
+    """The kept round checkpoints beside ``path``, by round."""
+    path = Path(path)
+    prefix = f"{path.name.removesuffix('.safetensors')}.round-"
+    out = {}
+    for found in path.parent.glob(f"{prefix}*.safetensors"):
+        number = found.name[len(prefix):-len(".safetensors")]
+        if number.isdigit():
+            out[int(number)] = found
+    return out
+
+
+def load_latest_valid(path: Path) -> tuple[Checkpoint, list[str]]:
+    """The newest checkpoint that reads and verifies: ``path`` first, then the kept rounds, newest first.
+
+    Returns the checkpoint and one message per newer file that was skipped (what is wrong with
+    it). :class:`ConfigError` if none is usable.
+    """
+    path = Path(path)
+    candidates = ([path] if path.exists() else []) + [p for _r, p in sorted(round_files(path).items(), reverse=True)]
+    problems: list[str] = []
+    tried: list[Path] = []
+    for candidate in candidates:
+        if any(_same_file(candidate, seen) for seen in tried):
+            continue  # the newest round file is the same file as ``path``
+        tried.append(candidate)
+        try:
+            return Checkpoint.load(candidate), problems
+        except ConfigError as exc:
+            log.warning("skipping checkpoint %s: %s", candidate, exc)
+            problems.append(str(exc))
+    if not candidates:
+        raise ConfigError(f"no checkpoint at {path}")
+    raise ConfigError("no usable checkpoint: " + "; ".join(problems))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _site_state_files(folder: Path, session: str) -> dict[int, Path]:

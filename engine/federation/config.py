@@ -16,6 +16,9 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     rejoin_wait = 0                      # seconds a round waits for disconnected sites to come back
     poll_interval = 0.2                  # seconds between checks for answers
     superlink_port = 0                   # loopback port of the SuperLink (0 = any free port)
+    keep_checkpoints = 3                 # checkpoints kept (a corrupt newest one falls back to the one before)
+
+    [robust]                             # bounds on sites' updates: engine.fl.robust.RobustSettings
 
     [tls]                                # defaults: <work_dir>/certs/{ca.pem,server.pem,server.key}
     ca_cert = "certs/ca.pem"
@@ -46,6 +49,10 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     ca_cert = "certs/ca.pem"
     private_key = "certs/site1.key"
     approved_apps = ["sha256:..."]       # app hashes this site runs (`fedsm certs app-hash`)
+
+    [bounds]                             # settings this site agrees to run: engine.security.run_spec.SiteBounds
+    allowed_methods = ["fedsm"]
+    max_epochs = 2
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ from engine.federation.spec import MethodSpec
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
 _FEDERATION_KEYS = {"sites", "address", "work_dir", "min_sites", "round_timeout", "start_timeout",
-                    "round_attempts", "poll_interval", "superlink_port", "name", "rejoin_wait"}
+                    "round_attempts", "poll_interval", "superlink_port", "name", "rejoin_wait",
+                    "keep_checkpoints"}
 _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
               "runtime_port"}
@@ -174,6 +182,9 @@ class FederationConfig:
     superlink_port: int = 0
     name: str = "fedsm"
     rejoin_wait: float = 0.0
+    keep_checkpoints: int = 3
+    #: the ``[robust]`` table as written (checked by :func:`engine.fl.robust.RobustSettings.from_dict`)
+    robust: dict[str, Any] = field(default_factory=dict)
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -194,9 +205,9 @@ def load_federation_config(path: Path) -> FederationConfig:
     """Read and check ``federation.toml``."""
     path = Path(path).absolute()
     doc = _read_toml(path, "federation")
-    unknown = sorted(set(doc) - {"federation", "tls", "training"})
+    unknown = sorted(set(doc) - {"federation", "tls", "training", "robust"})
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [federation], [tls] and [training]")
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [federation], [tls], [training] and [robust]")
     fed = _table(doc, "federation", path, _FEDERATION_KEYS)
     where = f"{path} [federation]"
     sites = _get(fed, "sites", list, where, required=True)
@@ -219,6 +230,13 @@ def load_federation_config(path: Path) -> FederationConfig:
         base / _get(tls, "server_cert", str, tls_where, str(work_dir / "certs" / "server.pem")),
         base / _get(tls, "server_key", str, tls_where, str(work_dir / "certs" / "server.key")),
     )
+    keep_checkpoints = _get(fed, "keep_checkpoints", int, where, 3)
+    if keep_checkpoints < 1:
+        raise ConfigError(f"{where}: keep_checkpoints = {keep_checkpoints} must be >= 1")
+    robust = _table(doc, "robust", path, None, required=False)
+    from engine.fl.robust import RobustSettings
+
+    RobustSettings.from_dict(robust, f"{path} [robust]")  # checked now, not at the first round
     training = _table(doc, "training", path, None)
     try:
         spec = MethodSpec.from_dict({**training, "site_names": tuple(sites)})
@@ -235,6 +253,7 @@ def load_federation_config(path: Path) -> FederationConfig:
         name=_get(fed, "name", str, where, "fedsm"),
         rejoin_wait=_positive(float(_get(fed, "rejoin_wait", (int, float), where, 0.0)), "rejoin_wait", where,
                               allow_zero=True),
+        keep_checkpoints=keep_checkpoints, robust=dict(robust),
     )
 
 
@@ -255,6 +274,8 @@ class SiteConfig:
     threads: int = 0
     poll_interval: float = 0.2
     runtime_port: int = 0
+    #: the ``[bounds]`` table as written (checked by :meth:`engine.security.run_spec.SiteBounds.from_dict`)
+    bounds: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for display (paths as strings)."""
@@ -282,9 +303,9 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
 
     path = Path(path).absolute()
     doc = _read_toml(path, "site")
-    unknown = sorted(set(doc) - {"site", "security"})
+    unknown = sorted(set(doc) - {"site", "security", "bounds"})
     if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [site] and [security]")
+        raise ConfigError(f"{path}: unknown table(s) {unknown}; use [site], [security] and [bounds]")
     site = _table(doc, "site", path, _SITE_KEYS)
     where = f"{path} [site]"
     name = _get(site, "name", str, where, required=True)
@@ -316,6 +337,10 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         raise ConfigError(f"{sec_where}: {exc}") from None
     ca_cert = _get(security, "ca_cert", str, sec_where)
     private_key = _get(security, "private_key", str, sec_where)
+    from engine.security.run_spec import SiteBounds
+
+    bounds = _table(doc, "bounds", path, None, required=False)
+    SiteBounds.from_dict(bounds, f"{path} [bounds]")  # checked now, not when the first run arrives
     cfg = SiteConfig(
         path=path, name=name, coordinator=coordinator, datalist=datalist, task=task,
         work_dir=base / _get(site, "work_dir", str, where, f"{name}-work"),
@@ -324,6 +349,7 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         approved_apps=approved_apps, device=device, threads=threads,
         poll_interval=_positive(float(_get(site, "poll_interval", (int, float), where, 0.2)), "poll_interval", where),
         runtime_port=_port(_get(site, "runtime_port", int, where, 0), "runtime_port", where),
+        bounds=dict(bounds),
     )
     if check_files:
         check_site_files(cfg, secure=True)

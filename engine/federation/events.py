@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import IO, Any
 
 EVENT_KINDS = ("status", "connected", "disconnected", "received", "round_start", "batch", "metrics", "sent",
-               "round_end", "error", "checkpoint", "finished")
+               "round_end", "error", "checkpoint", "finished", "run_settings")
 SOURCES = ("site", "server")
 
 

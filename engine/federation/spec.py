@@ -42,6 +42,9 @@ class MethodSpec:
     selector_lr: float = 1e-5
     selector_size: int = 32
     selector_head: str = "gap"
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.01
+    loss: str = "dice"
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
@@ -69,7 +72,9 @@ class MethodSpec:
         if self.lam is None:
             object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
         if self.extra_rounds is None:
-            object.__setattr__(self, "extra_rounds", self.rounds)
+            from engine.simulate import extra_rounds_default
+
+            object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
         if self.method in ("fedsm", "fedsm-extra"):
             from engine.fl.aggregation import check_lam
 
@@ -130,7 +135,8 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     names = list(spec.site_names)
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=spec.selector_lr, selector_size=spec.selector_size,
-                                   selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device)
+                                   selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
+                                   lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
     if spec.method == "fedsm":

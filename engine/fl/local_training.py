@@ -48,6 +48,53 @@ ProgressFn = Callable[[dict[str, Any]], None]
 CancelFn = Callable[[], bool]
 
 
+#: Learning-rate schedules over rounds (:func:`scheduled_lr`).
+LR_SCHEDULES = ("constant", "cosine", "step")
+#: Segmentation losses (:func:`segmentation_loss`).
+SEGMENTATION_LOSSES = ("dice", "dicece")
+
+
+def scheduled_lr(lr: float, schedule: str, rnd: int, rounds: int, min_ratio: float = 0.01) -> float:
+    """The U-Nets' learning rate in training round ``rnd`` (1-based) of ``rounds``.
+
+    ``constant`` returns ``lr``; ``cosine`` falls along a half cosine from ``lr`` (round 1) to
+    ``lr * min_ratio`` (round ``rounds``); ``step`` multiplies ``lr`` by 0.1 from round
+    ``ceil(rounds / 2) + 1`` and by 0.01 from ``ceil(3 rounds / 4) + 1``. Rounds past ``rounds``
+    (FedSM-extra's selector rounds, calibration rounds) get the last training round's value.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ConfigError(f"unknown lr_schedule {schedule!r}; choose from {', '.join(LR_SCHEDULES)}")
+    if rounds < 1 or rnd < 1:
+        raise ConfigError(f"round {rnd} of {rounds}: both must be >= 1")
+    r = min(rnd, rounds)
+    if schedule == "cosine":
+        if rounds == 1:
+            return lr
+        t = (r - 1) / (rounds - 1)
+        return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t)))
+    if schedule == "step":
+        if r > math.ceil(3 * rounds / 4):
+            return lr * 0.01
+        if r > math.ceil(rounds / 2):
+            return lr * 0.1
+    return lr
+
+
+def segmentation_loss(name: str = "dice") -> torch.nn.Module:
+    """The segmentation loss ``name`` (one of :data:`SEGMENTATION_LOSSES`) on logits.
+
+    Both reduce over the whole batch (``batch=True``): slices without the structure (common in
+    prostate volumes) do not dominate the loss with 0/0 cases.
+    """
+    from monai.losses import DiceCELoss, DiceLoss
+
+    if name == "dice":
+        return DiceLoss(sigmoid=True, batch=True)
+    if name == "dicece":
+        return DiceCELoss(sigmoid=True, batch=True)
+    raise ConfigError(f"unknown loss {name!r}; choose from {', '.join(SEGMENTATION_LOSSES)}")
+
+
 @dataclass(frozen=True)
 class LocalTrainingConfig:
     """Hyper-parameters of one site's local round.
@@ -68,6 +115,17 @@ class LocalTrainingConfig:
         ``"gap"`` (default) or ``"classic"`` (VGG's 25088-4096-4096 head, comparison only).
     prox_mu
         FedProx proximal coefficient (0 = off).
+    lr_schedule
+        How the U-Nets' learning rate changes over the training rounds: ``"constant"``,
+        ``"cosine"`` (half cosine from ``lr`` in round 1 to ``lr * lr_min_ratio`` in the last
+        training round) or ``"step"`` (``lr``, then x0.1 from 50% and x0.01 from 75% of the rounds).
+        The server and every site compute the round's value from the round number alone
+        (:func:`scheduled_lr`), so the schedule needs no extra message.
+    lr_min_ratio
+        Final learning rate of the cosine schedule as a fraction of ``lr``.
+    loss
+        Segmentation loss: ``"dice"`` (soft Dice over the batch) or ``"dicece"`` (soft Dice plus
+        binary cross-entropy, equal weights).
     device
         ``"auto"`` (CUDA with mixed precision when present, else CPU), ``"cpu"`` or ``"cuda"``.
     """
@@ -81,8 +139,17 @@ class LocalTrainingConfig:
     selector_optimizer: str = "adam"
     prox_mu: float = 0.0
     device: str = "auto"
+    lr_schedule: str = "constant"
+    lr_min_ratio: float = 0.01
+    loss: str = "dice"
 
     def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown lr_schedule {self.lr_schedule!r}; choose from {', '.join(LR_SCHEDULES)}")
+        if not 0.0 < self.lr_min_ratio <= 1.0:
+            raise ConfigError(f"lr_min_ratio must lie in (0, 1], got {self.lr_min_ratio}")
+        if self.loss not in SEGMENTATION_LOSSES:
+            raise ConfigError(f"unknown loss {self.loss!r}; choose from {', '.join(SEGMENTATION_LOSSES)}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError(f"epochs and batch_size must be >= 1, got {self.epochs} and {self.batch_size}")
         if self.lr <= 0 or self.selector_lr <= 0:
@@ -189,12 +256,8 @@ class _Learner:
         return float(loss.detach())
 
 
-def _dice_loss() -> torch.nn.Module:
-    from monai.losses import DiceLoss
-
-    # batch=True: one Dice over the whole batch, so slices without the structure (common in
-    # prostate volumes) do not dominate the loss with 0/0 cases.
-    return DiceLoss(sigmoid=True, batch=True)
+def _dice_loss(name: str = "dice") -> torch.nn.Module:
+    return segmentation_loss(name)
 
 
 def _segmentation_learner(task: TaskSpec, weights: Mapping[str, torch.Tensor], lr: float,
@@ -337,7 +400,7 @@ def train_segmentation_round(
     device = Device.resolve(cfg.device)
     torch.manual_seed(seed)
     learner = _segmentation_learner(task, weights, cfg.lr, device)
-    loss_fn = _dice_loss()
+    loss_fn = _dice_loss(cfg.loss)
     anchor = None
     if prox_anchor is not None and cfg.prox_mu > 0:
         anchor = {k: v.to(device.torch_device) for k, v in prox_anchor.items()}
@@ -416,7 +479,7 @@ def train_fedsm_round(
     glob = _segmentation_learner(task, global_weights, cfg.lr, device)
     pers = _segmentation_learner(task, personal_weights, cfg.lr, device)
     sel = _selector_learner(task, selector_weights, num_sites, cfg, device)
-    dice = _dice_loss()
+    dice = _dice_loss(cfg.loss)
     small = selector_inputs(data.images, cfg.selector_size)
 
     batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)

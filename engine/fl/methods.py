@@ -29,6 +29,7 @@ from engine.fl.local_training import (
     LocalTrainingConfig,
     RoundContext,
     best_model_labels,
+    scheduled_lr,
     train_fedsm_round,
     train_scaffold_round,
     train_segmentation_round,
@@ -141,6 +142,19 @@ class FederatedMethod(ABC):
         return model_weights(build_selector(self.task.in_channels, num_classes,
                                             self.training.selector_head))  # type: ignore[arg-type]
 
+    def round_training(self, rnd: int) -> LocalTrainingConfig:
+        """:attr:`training` with round ``rnd``'s learning rate (the config's ``lr_schedule``).
+
+        Only the U-Nets' rate follows the schedule; the selector's stays as configured. Both
+        halves of a method compute it from the round number, so it needs no message.
+        """
+        cfg = self.training
+        if cfg.lr_schedule == "constant":
+            return cfg
+        from dataclasses import replace
+
+        return replace(cfg, lr=scheduled_lr(cfg.lr, cfg.lr_schedule, rnd, self.rounds, cfg.lr_min_ratio))
+
     def _context(self, rnd: int, site: SiteRuntime, progress: Any, cancel: Any) -> RoundContext:
         return RoundContext(self.name, rnd, site.name, progress, cancel)
 
@@ -204,7 +218,7 @@ class FedAvg(FederatedMethod):
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
         ctx = self._context(instructions.round, site, progress, cancel)
         weights, metrics = train_segmentation_round(
-            self.task, instructions.weights["global"], site.train, self.training,
+            self.task, instructions.weights["global"], site.train, self.round_training(instructions.round),
             self._site_seed(instructions.round, site), ctx)
         return SiteUpdate({"global": weights}, len(site.train.images), metrics)
 
@@ -229,7 +243,7 @@ class FedProx(FedAvg):
         from dataclasses import replace
 
         ctx = self._context(instructions.round, site, progress, cancel)
-        cfg = replace(self.training, prox_mu=float(instructions.config["prox_mu"]))
+        cfg = replace(self.round_training(instructions.round), prox_mu=float(instructions.config["prox_mu"]))
         received = instructions.weights["global"]
         weights, metrics = train_segmentation_round(
             self.task, received, site.train, cfg, self._site_seed(instructions.round, site), ctx,
@@ -278,8 +292,8 @@ class Scaffold(FedAvg):
         site_c = site.state.get("scaffold_control") or {k: torch.zeros_like(v) for k, v in server_c.items()}
         correction = subtract(server_c, site_c)
         weights, grads, metrics = train_scaffold_round(
-            self.task, received, site.train, self.training, self._site_seed(instructions.round, site), ctx,
-            correction)
+            self.task, received, site.train, self.round_training(instructions.round),
+            self._site_seed(instructions.round, site), ctx, correction)
         new_c = scaffold_site_control(grads.gradient_sum(), grads.batches, site_c)
         site.state["scaffold_control"] = new_c
         return SiteUpdate({"global": weights, "control_delta": subtract(new_c, site_c)},
@@ -310,7 +324,8 @@ class LocalOnly(FederatedMethod):
         ctx = self._context(instructions.round, site, progress, cancel)
         start = instructions.weights.get("personal", site.state.get("local_model"))
         weights, metrics = train_segmentation_round(
-            self.task, start, site.train, self.training, self._site_seed(instructions.round, site), ctx)
+            self.task, start, site.train, self.round_training(instructions.round),
+            self._site_seed(instructions.round, site), ctx)
         site.state["local_model"] = weights
         return SiteUpdate({}, len(site.train.images), metrics)
 
@@ -412,7 +427,7 @@ class FedSM(FederatedMethod):
         w = instructions.weights
         glob, pers, sel, metrics = train_fedsm_round(
             self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
-            site.train, self.training, self._site_seed(instructions.round, site), ctx)
+            site.train, self.round_training(instructions.round), self._site_seed(instructions.round, site), ctx)
         return SiteUpdate({"global": glob, "personal": pers, "selector": sel}, len(site.train.images), metrics)
 
 
@@ -475,6 +490,23 @@ class FedSMExtra(FedSM):
         if update.num_samples <= 0:
             raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
 
+    def _calibrate(self, state: WeightSet, updates: Mapping[str, SiteUpdate]) -> WeightSet:
+        """LDA with the *empirical* class priors: ``log(n_c / n)`` added to each class's score.
+
+        FedSM's own calibration uses uniform priors (a small site must not lose its images to a
+        big one). FedSM-extra's classes are "which of the K+1 models segments this image best",
+        and those labels are highly imbalanced (the global model wins most images); the Bayes
+        rule for them includes the priors, estimated from the summed per-class counts (which the
+        sites send anyway). A class with no samples keeps its score far below the others.
+        """
+        new = super()._calibrate(state, updates)
+        stats = add_statistics([u.weights["selector_stats"] for u in updates.values()])
+        _, bias_key = final_layer_keys(self._selector_template())
+        new["selector"] = dict(new["selector"])
+        new["selector"][bias_key] = new["selector"][bias_key] + empirical_log_priors(stats["count"]).to(
+            new["selector"][bias_key].dtype)
+        return new
+
     def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
         phase = self.phase(rnd)
         if phase == "calibrate":
@@ -496,8 +528,9 @@ class FedSMExtra(FedSM):
         n = len(site.train.images)
         phase = self.phase(instructions.round)
         if phase == "train":
-            glob, m1 = train_segmentation_round(self.task, w["global"], site.train, self.training, seed, ctx)
-            pers, m2 = train_segmentation_round(self.task, w["personal"], site.train, self.training,
+            cfg = self.round_training(instructions.round)
+            glob, m1 = train_segmentation_round(self.task, w["global"], site.train, cfg, seed, ctx)
+            pers, m2 = train_segmentation_round(self.task, w["personal"], site.train, cfg,
                                                 derived_seed(seed, "personal"), ctx)
             return SiteUpdate({"global": glob, "personal": pers}, n,
                               {"loss_global": m1["loss"], "loss_personal": m2["loss"]})
@@ -598,13 +631,26 @@ class FedSMPersonalized(FedSM):
         n = len(site.train.images)
         if self.phase(instructions.round) == "calibrate":
             personal = personalized_model(self.personalization, self.task, instructions.weights, site.train,
-                                          self.training, self.pcfg, site.state, seed, ctx)
+                                          self.round_training(instructions.round), self.pcfg, site.state, seed,
+                                          ctx)
             stats = self._statistics_update(instructions, site, np.full(n, site.index))
             return SiteUpdate({"selector_stats": stats.weights["selector_stats"], "personal": personal}, n, {})
         parts, metrics = train_personalized_round(
             self.personalization, self.task, instructions.weights, site.index, len(self.site_names), site.train,
-            self.training, self.pcfg, site.state, seed, ctx)
+            self.round_training(instructions.round), self.pcfg, site.state, seed, ctx)
         return SiteUpdate(parts, n, metrics)
+
+
+def empirical_log_priors(count: torch.Tensor) -> torch.Tensor:
+    """``log(n_c / n)`` per class from summed class counts; 0 for classes without samples (already excluded)."""
+    count = count.to(torch.float64)
+    total = float(count.sum())
+    if total <= 0:
+        raise WeightsError("selector statistics hold no samples")
+    out = torch.zeros_like(count)
+    present = count > 0
+    out[present] = torch.log(count[present] / total)
+    return out
 
 
 def check_statistics(stats: Mapping[str, torch.Tensor], num_classes: int, what: str) -> None:

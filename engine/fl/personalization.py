@@ -15,26 +15,32 @@ Alternatives and hyper-parameters (:class:`PersonalizationConfig`):
     Each site keeps a private model ``v`` and a mixing weight ``alpha`` (init ``apfl_alpha``).
     Per batch: the site's copy of the global model ``w`` takes its FedAvg step; ``v`` takes a
     step with the gradient of the loss at the mixture ``vbar = alpha v + (1 - alpha) w``
-    (``grad_v = alpha grad f(vbar)``, Adam); ``alpha <- clip(alpha - alpha_lr <v - w, grad f(vbar)>,
-    0, 1)`` (plain gradient step, as in the paper). The personalized model is the final
-    mixture ``alpha v + (1 - alpha) w_global``.
+    (``grad_v = alpha grad f(vbar)``) with *plain SGD* at ``apfl_v_lr`` (``apfl_v_optimizer``), as
+    in the paper: Adam divides every step by the running gradient scale and so cancels the
+    ``alpha`` factor that makes ``v`` learn more slowly when the mixture leans on ``w``;
+    ``alpha <- clip(alpha - alpha_lr <v - w, grad f(vbar)>, 0, 1)`` (plain gradient step, as in
+    the paper). The personalized model is the final mixture ``alpha v + (1 - alpha) w_global``.
 ``perfedavg``  Per-FedAvg, Fallah et al. 2020, first-order version (FO-MAML)
     A second shared U-Net ``theta`` (the meta-model) is trained by FedAvg with the first-order
-    MAML step: each batch is split into halves ``D, D'``; ``theta' = theta - inner_lr grad f(theta; D)``
-    (SGD), then ``theta`` takes an Adam step along ``grad f(theta'; D')``. The personalized
+    MAML step on two *different* batches, as in the paper's Algorithm 1: ``D`` is the round's
+    next batch and ``D'`` a batch of an independently shuffled second pass over the site's data;
+    ``theta' = theta - inner_lr grad f(theta; D)`` (SGD), then ``theta`` takes an Adam step along
+    ``grad f(theta'; D')``. (A site whose data fits one batch gets the same images in both.) The personalized
     model is the final ``theta`` after ``adapt_steps`` SGD steps of ``inner_lr`` on the site's
     training set (full-data gradient, mean over its batches).
 ``pfedme``  pFedMe, Dinh et al. 2020 ("Personalized FL with Moreau Envelopes"), Algorithm 1
-    Per batch the site's personalized model ``theta`` approximately solves
-    ``min f(theta; D) + lam/2 ||theta - w_loc||^2`` with ``pfedme_inner_steps`` Adam steps, then
-    its local copy of the pFedMe model moves ``w_loc <- w_loc - eta lam (w_loc - theta)``; the
-    server sets ``w <- (1 - beta) w + beta mean(w_loc)``. ``theta`` stays at the site and is
-    the personalized model. Defaults follow the paper (``lam`` 15, ``eta`` 0.005, ``beta`` 1)
+    At the start of every round the site's personalized model ``theta`` and its local copy
+    ``w_loc`` are both set to the received pFedMe model ``w`` (the authors' code does the same).
+    Per batch ``theta`` approximately solves ``min f(theta; D) + lam/2 ||theta - w_loc||^2``
+    with ``pfedme_inner_steps`` Adam steps, then ``w_loc <- w_loc - eta lam (w_loc - theta)``;
+    the server sets ``w <- (1 - beta) w + beta mean(w_loc)``. The last round's ``theta`` stays at
+    the site and is the personalized model. Defaults follow the paper (``lam`` 15, ``eta`` 0.005, ``beta`` 1)
     except 3 inner steps instead of 5 and Adam as the inner solver (plain SGD at 0.01 barely
     moves a U-Net trained with a Dice loss in a few rounds).
 
 Where the original algorithms use plain SGD for the main model we use Adam with the U-Nets'
-learning rate, like every other method here, so the comparison isolates the personalization rule.
+learning rate, like every other method here, so the comparison isolates the personalization rule
+(APFL's private model is the exception, see above).
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class PersonalizationConfig:
     finetune_epochs: int = 2
     apfl_alpha: float = 0.5
     apfl_alpha_lr: float = 0.01
+    apfl_v_optimizer: str = "sgd"
+    apfl_v_lr: float = 0.1
     inner_lr: float = 0.01
     adapt_steps: int = 1
     pfedme_lam: float = 15.0
@@ -83,6 +91,9 @@ class PersonalizationConfig:
             raise ConfigError("finetune_epochs and pfedme_inner_steps must be >= 1, adapt_steps >= 0")
         if min(self.apfl_alpha_lr, self.inner_lr, self.pfedme_lam, self.pfedme_eta) <= 0:
             raise ConfigError("personalization step sizes and pfedme_lam must be > 0")
+        if self.apfl_v_optimizer not in ("sgd", "adam") or self.apfl_v_lr <= 0:
+            raise ConfigError(f"apfl_v_optimizer must be 'sgd' or 'adam' with apfl_v_lr > 0, got "
+                              f"{self.apfl_v_optimizer!r}, {self.apfl_v_lr}")
         if not 0.0 < self.pfedme_beta <= 2.0:
             raise ConfigError(f"pfedme_beta={self.pfedme_beta} must lie in (0, 2]")
 
@@ -164,12 +175,12 @@ def _adam(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adam(net.parameters(), lr=lr, betas=(0.9, 0.999))
 
 
-def _dice_batch_loss() -> Callable[[Callable[[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                                   torch.Tensor]:
-    from monai.losses import DiceLoss
+def _dice_batch_loss(name: str = "dice") -> Callable[[Callable[[torch.Tensor], torch.Tensor],
+                                                      tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    from engine.fl.local_training import segmentation_loss
 
-    dice = DiceLoss(sigmoid=True, batch=True)
-    return lambda forward, batch: dice(forward(batch[0]), batch[1])
+    loss = segmentation_loss(name)
+    return lambda forward, batch: loss(forward(batch[0]), batch[1])
 
 
 def _set_grads(net: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
@@ -177,11 +188,13 @@ def _set_grads(net: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
         p.grad = grads[name].to(p.device, p.dtype).clone()
 
 
-def _halves(idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if len(idx) < 2:
-        return idx, idx
-    half = len(idx) // 2
-    return idx[:half], idx[half:]
+def per_fedavg_batches(batch: np.ndarray, other: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-FedAvg's ``D`` (the round's batch) and ``D'`` (a batch of the independent second pass).
+
+    Both have the configured batch size (the paper draws two full batches; splitting one batch
+    in halves, as an earlier version did, halves both and correlates them).
+    """
+    return np.asarray(batch), np.asarray(other)
 
 
 def _net_weights(net: torch.nn.Module) -> Weights:
@@ -218,7 +231,7 @@ def train_personalized_round(
         raise ConfigError(f"unknown personalization {kind!r}; choose from {', '.join(PERSONALIZATIONS)}")
     device = Device.resolve(cfg.device)
     torch.manual_seed(seed)
-    loss_of = _dice_batch_loss()
+    loss_of = _dice_batch_loss(cfg.loss)
     glob = _seg_net(task, weights["global"], device)
     glob_opt = _adam(glob, cfg.lr)
     sel = _selector_learner(task, weights["selector"], num_sites, cfg, device)
@@ -232,11 +245,18 @@ def train_personalized_round(
     elif kind in ("perfedavg", "pfedme"):
         second = _seg_net(task, weights["personal"], device)
     if kind == "pfedme":
-        theta = _seg_net(task, site_state.get("pfedme_theta", weights["personal"]), device)
-    second_opt = _adam(second, cfg.lr) if second is not None and kind != "pfedme" else None
+        theta = _seg_net(task, weights["personal"], device)  # reset to the received model every round
+    second_opt: torch.optim.Optimizer | None = None
+    if kind == "apfl" and second is not None:
+        second_opt = (torch.optim.SGD(second.parameters(), lr=pcfg.apfl_v_lr) if pcfg.apfl_v_optimizer == "sgd"
+                      else _adam(second, cfg.lr))
+    elif kind == "perfedavg" and second is not None:
+        second_opt = _adam(second, cfg.lr)
     theta_opt = _adam(theta, cfg.lr) if theta is not None else None
 
     batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
+    # Per-FedAvg's D' comes from a second, independently shuffled pass over the site's data
+    other = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed + 1) if kind == "perfedavg" else []
     sums: dict[str, float] = {}
     for i, idx in enumerate(batches, start=1):
         ctx.check_cancel()
@@ -259,7 +279,7 @@ def train_personalized_round(
             losses["personal"] = float(loss_mix.detach())
         elif kind == "perfedavg":
             assert second is not None and second_opt is not None
-            a, b = _halves(idx)
+            a, b = per_fedavg_batches(idx, other[i - 1])
             batch_a = (_to_device(data.images, a, device), _to_device(data.masks, a, device))
             batch_b = (_to_device(data.images, b, device), _to_device(data.masks, b, device))
             meta = first_order_maml_gradient(second, loss_of, batch_a, batch_b, pcfg.inner_lr)
@@ -336,7 +356,7 @@ def personalized_model(
         return clone_weights(site_state.get("pfedme_theta", weights["global"]))
     device = Device.resolve(cfg.device)
     torch.manual_seed(seed)
-    loss_of = _dice_batch_loss()
+    loss_of = _dice_batch_loss(cfg.loss)
     if kind == "finetune":
         net = _seg_net(task, weights["global"], device)
         opt = _adam(net, cfg.lr)

@@ -23,6 +23,7 @@ from engine.inference.predictor import CancelCheck, ProgressCallback
 from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
 from engine.io.export import export_mask
+from engine.io.privacy import public_path
 from engine.io.provenance import utc_now
 from engine.io.study import Study
 from engine.tasks import TaskSpec, get_task
@@ -286,7 +287,8 @@ def infer_path(
         fmt = _resolve_format(mask_format, study.kind == "volume")
         mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
         record: dict[str, Any] = {
-            "input": str(item.path.resolve()),
+            # Relative to the input the user named (folders may name patients): no absolute path.
+            "input": public_path(item.path, source),
             "mask": mask_path.name,
             "format": fmt,
             "kind": "volume" if study.kind == "volume" else "image",
@@ -300,7 +302,7 @@ def infer_path(
         log.info("segmented %s -> %s", item.describe(), mask_path)
 
     result: dict[str, Any] = {
-        "bundle": {"path": str(bundle_file.resolve()), "sha256": loaded.sha256},
+        "bundle": {"path": bundle_file.name, "sha256": loaded.sha256},
         "task": meta.task,
         "method": meta.method,
         "routing": meta.routing,

@@ -31,6 +31,7 @@ import engine
 from engine.errors import DataError
 from engine.io.atomic import atomic_path
 from engine.io.provenance import Provenance
+from engine.io.seg_privacy import minimal_source, strip_identifiers
 from engine.io.study import LabelMap, Study
 
 if TYPE_CHECKING:
@@ -221,6 +222,9 @@ def _planes_of_source(ds: pydicom.Dataset, where: str) -> list[PlaneGeometry]:
 def _read_header(path: Path) -> pydicom.Dataset:
     import pydicom
 
+    from engine.io.guard import check_dicom_inflate
+
+    check_dicom_inflate(path)
     try:
         return pydicom.dcmread(path, stop_before_pixels=True)
     except Exception as exc:  # pydicom raises struct.error, EOFError, ValueError, ... on damaged files
@@ -367,7 +371,9 @@ def build_dicom_seg(study: Study, labels: LabelMap, provenance: Provenance | Non
         warnings.filterwarnings("ignore", message=".*unlikely to represent the intended person name")
         try:
             seg = hd.seg.Segmentation(
-                source_images=headers,
+                # Reduced copies: highdicom copies patient, study and equipment attributes from its
+                # sources, and a mask needs only the required ones (engine.io.seg_privacy).
+                source_images=[minimal_source(h) for h in headers],
                 pixel_array=frames,
                 segmentation_type="BINARY",
                 segment_descriptions=descriptions,
@@ -388,6 +394,8 @@ def build_dicom_seg(study: Study, labels: LabelMap, provenance: Provenance | Non
         except (ValueError, TypeError, AttributeError) as exc:
             raise DataError(f"cannot build a DICOM SEG on series {study.series_uid or first.get('SeriesInstanceUID')}: "
                             f"{exc}") from None
+    # Our own equipment's serial number ("none") is required by the Enhanced General Equipment module.
+    strip_identifiers(seg, keep=("DeviceSerialNumber",))
     return seg
 
 
@@ -533,11 +541,19 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
         when one frame is the trouble, the frame), has segment numbers above 255, or a frame does
         not lie on the study's voxel grid (both geometries in the message).
     """
+    from engine.io.guard import dicom_damage
+
+    with dicom_damage(path):
+        return _read_dicom_seg(Path(path), study)
+
+
+def _read_dicom_seg(p: Path, study: Study) -> LabelMap:
+    """:func:`read_dicom_seg`, whose pydicom errors on damaged values the caller turns into DataError."""
     import highdicom as hd
 
     from engine.io.dicom_series import SEG_SOP_CLASS, read_header
+    from engine.io.guard import check_pixel_budget
 
-    p = Path(path)
     if not p.is_file():
         raise DataError(f"{p}: file not found")
     if study.kind != "volume":
@@ -558,6 +574,9 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
         raise DataError(
             f"{p}: is a DICOM {modality or 'file without modality'}, not a segmentation (SEG); choose the SEG file"
         )
+    # Decoded frames are allocated from these numbers: check them before highdicom reads anything.
+    check_pixel_budget(p, int(header.get("Rows") or 0), int(header.get("Columns") or 0),
+                       int(header.get("NumberOfFrames") or 1), int(header.get("BitsAllocated") or 8))
     try:
         seg = hd.seg.segread(p)
     except Exception as exc:  # highdicom raises many types for damaged or unusual objects

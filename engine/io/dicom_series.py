@@ -57,8 +57,9 @@ from typing import Any
 import numpy as np
 
 from engine.errors import CancelledError, DataError
-from engine.io.study import SeriesInfo, Study
-from engine.io.volumes import LPS_TO_RAS, canonical_layout, robust_window, voxel_spacing
+from engine.io.guard import check_pixel_budget, codestream_size, dicom_damage
+from engine.io.study import SeriesInfo, SourceGrid, Study
+from engine.io.volumes import LPS_TO_RAS, MAX_VOXELS, canonical_layout, robust_window, voxel_spacing
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,13 @@ def read_header(path: Path, marker: bool | None = None) -> Any | None:
     import pydicom
     from pydicom.errors import InvalidDicomError
 
+    from engine.io.guard import check_dicom_inflate
+
     if marker is None:
         marker = has_dicm_marker(path)
     named = path.suffix.lower() in DICOM_SUFFIXES
+    if marker:
+        check_dicom_inflate(path)  # a deflated dataset is inflated whole by dcmread: bound it first
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # pydicom warns about every odd value; we check what we use
@@ -180,7 +185,8 @@ def read_header(path: Path, marker: bool | None = None) -> Any | None:
                             "from the folder or copy the series again") from exc
         return None
     if marker:
-        _check_complete(path, ds)
+        with dicom_damage(path):
+            _check_complete(path, ds)
     if not marker and not _looks_like_image_header(ds):
         if named:
             raise DataError(f"{path}: named like a DICOM file but holds no DICOM image; remove it from the folder")
@@ -374,7 +380,8 @@ def scan_folder(folder: PathLike, cancel: CancelFn | None = None,
         ds = read_header(path, marker)
         if ds is None:
             continue
-        item = _classify(path, ds, root)
+        with dicom_damage(path):
+            item = _classify(path, ds, root)
         if item is not None:
             found.append(item)
         if progress is not None and count % 50 == 0:
@@ -399,6 +406,11 @@ def group_series(files: list[DicomFile]) -> dict[str, list[DicomFile]]:
 
 def describe_series(key: str, members: list[DicomFile]) -> SeriesInfo:
     """A :class:`SeriesInfo` for one group of files (no pixels read)."""
+    with dicom_damage(members[0].path):
+        return _describe_series(key, members)
+
+
+def _describe_series(key: str, members: list[DicomFile]) -> SeriesInfo:
     first = members[0].dataset
     description = _text(first, "SeriesDescription")
     if not description:
@@ -616,6 +628,8 @@ def _decode_file(item: DicomFile) -> tuple[np.ndarray, bool]:
     goes first on (:func:`_gdcm_first`). Callers silence pydicom's decoder warnings
     (``warnings.catch_warnings`` is not thread-safe, and files may decode on several threads).
     """
+    with dicom_damage(item.path):
+        _check_pixel_header(item)
     if "ModalityLUTSequence" not in item.dataset:
         pixels = _native_pixels(item)
         if pixels is not None:
@@ -638,6 +652,43 @@ def _decode_file(item: DicomFile) -> tuple[np.ndarray, bool]:
     if item.frames == 1:
         pixels = pixels[None]
     return np.asarray(pixels), rescaled
+
+
+def _check_series_size(key: str, shape: tuple[int, int, int]) -> None:
+    """Refuse a series whose float32 volume would exceed :data:`MAX_VOXELS` before reserving it."""
+    voxels = shape[0] * shape[1] * shape[2]
+    if voxels > MAX_VOXELS:
+        raise DataError(f"series {key}: {shape[2]} slices of {shape[0]}x{shape[1]} pixels ({voxels:,} voxels), more "
+                        f"than the {MAX_VOXELS:,} FedSM reads; the headers are damaged, or crop/downsample the "
+                        "series first")
+
+
+def _check_pixel_header(item: DicomFile) -> None:
+    """Before any pixel is read: the declared size fits the budget, and a compressed frame's own size matches.
+
+    A compressed frame (JPEG, JPEG 2000) states its size in its first bytes; a decoder allocates
+    what the codestream says, whatever ``Rows``/``Columns`` claim, so both are checked.
+    """
+    ds = item.dataset
+    rows, cols = _ushort(ds, "Rows") or 0, _ushort(ds, "Columns") or 0
+    frames = _int(_ascii(ds, "NumberOfFrames"), 1)
+    bits = _ushort(ds, "BitsAllocated") or 16
+    samples = _ushort(ds, "SamplesPerPixel") or 1
+    check_pixel_budget(item.path, rows, cols, frames if frames is not None else 1, bits, samples)
+    if not _is_compressed(item) or "PixelData" not in ds:
+        return
+    from pydicom.encaps import generate_fragments
+
+    data = ds.PixelData
+    if len(data) < 8:
+        raise DataError(f"{item.path}: the compressed pixel data holds {len(data)} bytes; the file is truncated — copy "
+                        "the series again")
+    table = int.from_bytes(data[4:8], "little")  # the Basic Offset Table item comes first
+    fragment = next(iter(generate_fragments(memoryview(data)[8 + table:8 + table + 4104].tobytes())), b"")
+    declared = codestream_size(bytes(fragment[:4096]))
+    if declared is not None and declared != (cols, rows):
+        raise DataError(f"{item.path}: the compressed frame is {declared[0]}x{declared[1]} pixels but the header "
+                        f"says {cols}x{rows}; the file is damaged — copy the series again")
 
 
 def _gdcm_first(item: DicomFile) -> bool:
@@ -789,8 +840,12 @@ def read_series(files: list[DicomFile], source: Path, progress: ProgressFn | Non
     if files[0].is_seg:
         raise DataError(f"{files[0].path}: is a DICOM SEG (a mask), not an image series; open the series it "
                         "belongs to, then load the SEG as a mask")
-    planes = [plane for f in files for plane in _planes_of(f)]
-    samples = _ushort(files[0].dataset, "SamplesPerPixel") or 1
+    planes = []
+    for f in files:
+        with dicom_damage(f.path):
+            planes.extend(_planes_of(f))
+    with dicom_damage(files[0].path):
+        samples = _ushort(files[0].dataset, "SamplesPerPixel") or 1
     if samples != 1:
         return _read_colour(key, files, planes, samples, source)
     _check_consistent(key, planes)
@@ -798,6 +853,7 @@ def read_series(files: list[DicomFile], source: Path, progress: ProgressFn | Non
     first = planes[0]
     ras = LPS_TO_RAS @ lps
     shape = (first.columns, first.rows, len(planes))  # (c, r, k): i along the row direction
+    _check_series_size(key, shape)
     try:
         ornt, affine, _ = canonical_layout(ras, shape)
     except DataError as exc:
@@ -852,6 +908,8 @@ def read_series(files: list[DicomFile], source: Path, progress: ProgressFn | Non
         description=_descriptors(first.file.dataset, how),
         series_uid=key,
         dicom_files=tuple(dict.fromkeys(ordered_files)),
+        # (column, row, slice) in increasing position along the normal: SimpleITK's series grid.
+        source_grid=SourceGrid(shape, ras, ornt),
     )
 
 
@@ -924,7 +982,8 @@ def series_beside(path: PathLike, series_uid: str | None = None) -> tuple[str, l
     ds = read_header(p, has_dicm_marker(p))
     if ds is None:
         raise DataError(f"{p}: not a DICOM file; FedSM opens DICOM files, NIfTI/MHA/NRRD volumes and photos")
-    item = _classify(p, ds, p.parent)
+    with dicom_damage(p):
+        item = _classify(p, ds, p.parent)
     if item is None:
         raise DataError(f"{p}: a DICOM object without pixels ({_text(ds, 'Modality') or 'unknown modality'}); "
                         "open an image series")
@@ -940,7 +999,8 @@ def series_beside(path: PathLike, series_uid: str | None = None) -> tuple[str, l
         if not marker and not is_dicom_name(other):
             continue
         header = read_header(other, marker)
-        sibling = _classify(other, header, p.parent) if header is not None else None
+        with dicom_damage(other):
+            sibling = _classify(other, header, p.parent) if header is not None else None
         if sibling is not None and sibling.series_key == wanted:
             members.append(sibling)
     if not members:

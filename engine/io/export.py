@@ -156,18 +156,57 @@ def _with_sidecar(out: Path, provenance: Provenance | None):  # type: ignore[no-
             side.write_text(provenance.to_json() + "\n", encoding="utf-8")
 
 
-def _write_nifti(study: Study, array: np.ndarray, path: Path, provenance: Provenance | None) -> None:
+def _source_nifti_header(study: Study) -> Any | None:
+    """The source NIfTI's header when the study was read from one whose grid is still ``study.source_grid``."""
     import nibabel as nib
 
-    affine = np.asarray(study.affine, dtype=np.float64)
-    img = nib.Nifti1Image(array, affine)
-    img.set_data_dtype(np.uint8)
-    # Both transforms, so viewers that prefer the qform (ITK-SNAP) and those that prefer the
-    # sform (Slicer, nibabel) place the mask identically.
-    img.set_sform(affine, code=1)
-    img.set_qform(affine, code=1)
+    grid = study.source_grid
+    if grid is None or study.source_format != "nifti" or study.source is None or not Path(study.source).is_file():
+        return None
+    try:
+        src = nib.load(str(study.source))
+        same = (tuple(int(n) for n in src.shape[:3]) == tuple(grid.shape)
+                and np.allclose(src.affine, grid.affine, atol=1e-6))
+    except Exception:  # the source changed or went away since it was read: write without it
+        return None
+    return src.header if same and isinstance(src, nib.Nifti1Image | nib.Nifti2Image) else None
+
+
+def _write_nifti(study: Study, array: np.ndarray, path: Path, provenance: Provenance | None) -> None:
+    """The mask on the source's own grid (voxel order, shape, affine; the source NIfTI's header copied).
+
+    A NIfTI source's header is copied (its sform and qform with their codes, units, dim_info),
+    with data type ``uint8``, no scaling, intent ``label`` and its extensions and text fields
+    dropped; other sources get sform and qform (code 1) from the source grid's affine. Studies
+    without a source grid (made in memory) are written in canonical order.
+    """
+    import nibabel as nib
+
+    grid = study.source_grid
+    if grid is not None and study.kind == "volume":
+        array = np.ascontiguousarray(grid.to_source(array))
+        affine = np.asarray(grid.affine, dtype=np.float64)
+    else:
+        affine = np.asarray(study.affine, dtype=np.float64)
+    source_header = _source_nifti_header(study)
+    if source_header is not None:
+        header = nib.Nifti1Header()
+        for key in ("dim_info", "xyzt_units", "qform_code", "sform_code", "quatern_b", "quatern_c", "quatern_d",
+                    "qoffset_x", "qoffset_y", "qoffset_z", "srow_x", "srow_y", "srow_z", "pixdim", "slice_code",
+                    "slice_start", "slice_end", "slice_duration", "toffset"):
+            header[key] = source_header[key]
+        img = nib.Nifti1Image(array, None, header=header)
+        img.set_data_dtype(np.uint8)
+        img.header.set_slope_inter(1.0, 0.0)
+    else:
+        img = nib.Nifti1Image(array, affine)
+        img.set_data_dtype(np.uint8)
+        # Both transforms, so viewers that prefer the qform (ITK-SNAP) and those that prefer the
+        # sform (Slicer, nibabel) place the mask identically.
+        img.set_sform(affine, code=1)
+        img.set_qform(affine, code=1)
+        img.header.set_xyzt_units("mm")
     img.header.set_intent("label")
-    img.header.set_xyzt_units("mm")
     if provenance is not None:
         img.header["descrip"] = provenance.summary()[:79].encode("ascii", "replace")
         img.header.extensions.append(

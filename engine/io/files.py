@@ -33,15 +33,12 @@ def _existing(path: PathLike) -> Path:
 
 def read_rgb_image(path: PathLike) -> np.ndarray:
     """Read a colour photo as ``uint8 (H, W, 3)``; greyscale or RGBA files are converted."""
-    from PIL import Image, UnidentifiedImageError
+    from engine.io.guard import open_image
 
     p = _existing(path)
-    try:
-        with Image.open(p) as img:
-            rgb = img.convert("RGB")
-            return np.asarray(rgb, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise DataError(f"{p}: not a readable image ({exc}); re-export it as PNG or JPG") from exc
+    with open_image(p, "image") as img:
+        rgb = img.convert("RGB")
+        return np.asarray(rgb, dtype=np.uint8).copy()
 
 
 def read_label_png(path: PathLike) -> np.ndarray:
@@ -50,21 +47,19 @@ def read_label_png(path: PathLike) -> np.ndarray:
     Raises
     ------
     DataError
-        When the file is not an image or is not single-channel.
+        When the file is not an image, is not single-channel, is damaged, or declares more than
+        :data:`engine.io.guard.MAX_PIXELS` pixels (checked before decoding).
     """
-    from PIL import Image, UnidentifiedImageError
+    from engine.io.guard import open_image
 
     p = _existing(path)
-    try:
-        with Image.open(p) as img:
-            if img.mode not in ("L", "P", "1"):
-                raise DataError(
-                    f"{p}: a label map must be a single-channel 8-bit PNG, this one is mode "
-                    f"{img.mode!r}; save it as 8-bit greyscale with one value per label"
-                )
-            return np.asarray(img, dtype=np.uint8).copy()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise DataError(f"{p}: not a readable label image ({exc})") from exc
+    with open_image(p, "label image") as img:
+        if img.mode not in ("L", "P", "1"):
+            raise DataError(
+                f"{p}: a label map must be a single-channel 8-bit PNG, this one is mode "
+                f"{img.mode!r}; save it as 8-bit greyscale with one value per label"
+            )
+        return np.asarray(img, dtype=np.uint8).copy()
 
 
 def write_rgb_png(path: PathLike, image: np.ndarray) -> None:

@@ -137,43 +137,26 @@ def fit_to_study(array: np.ndarray, affine: np.ndarray, study: Study, path: Path
 
 def read_label_image(path: Path) -> np.ndarray:
     """A single-channel label image (2D); RGB is accepted when its three channels are equal."""
-    import warnings
+    from engine.io.guard import open_image
 
-    from PIL import Image, UnidentifiedImageError
-
-    from engine.io.photos import MAX_PIXELS
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
-                width, height = img.size
-                if width * height > MAX_PIXELS:
-                    raise DataError(f"{path}: the mask is {width}x{height} pixels, more than the "
-                                    f"{MAX_PIXELS // 1_000_000} megapixels FedSM reads")
-                mode = img.mode
-                img.load()
-                if mode in ("L", "P", "I", "I;16", "I;16B", "I;16L", "I;16N"):
-                    return np.asarray(img).astype(np.int64) if mode.startswith("I") else np.asarray(img, np.uint8)
-                if mode == "1":
-                    return np.asarray(img, dtype=np.uint8)
-                if mode in ("LA", "PA"):
-                    return np.asarray(img.getchannel(0), dtype=np.uint8)
-                if mode in ("RGB", "RGBA"):
-                    rgb = np.asarray(img, dtype=np.uint8)[:, :, :3]
-                    if (rgb[:, :, 0] == rgb[:, :, 1]).all() and (rgb[:, :, 0] == rgb[:, :, 2]).all():
-                        return np.ascontiguousarray(rgb[:, :, 0])
-                    raise DataError(f"{path}: the mask is a colour ({mode}) image; a label map has one value per "
-                                    "pixel — save it as 8-bit greyscale with one value per label")
-                raise DataError(f"{path}: the mask is a {mode} image; save it as 8-bit greyscale with one value "
-                                "per label")
-    except Image.DecompressionBombError as exc:
-        raise DataError(f"{path}: the mask declares more pixels than FedSM reads ({exc})") from exc
-    except UnidentifiedImageError as exc:
-        raise DataError(f"{path}: not an image file (the content is not PNG, TIFF or BMP); check the mask "
-                        "file") from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise DataError(f"{path}: the mask image cannot be decoded ({exc}); the file is damaged or truncated") from exc
+    # open_image checks the size before decoding and turns Pillow's errors into DataError.
+    with open_image(path, "mask") as img:
+        mode = img.mode
+        img.load()
+        if mode in ("L", "P", "I", "I;16", "I;16B", "I;16L", "I;16N"):
+            return np.asarray(img).astype(np.int64) if mode.startswith("I") else np.asarray(img, np.uint8)
+        if mode == "1":
+            return np.asarray(img, dtype=np.uint8)
+        if mode in ("LA", "PA"):
+            return np.asarray(img.getchannel(0), dtype=np.uint8)
+        if mode in ("RGB", "RGBA"):
+            rgb = np.asarray(img, dtype=np.uint8)[:, :, :3]
+            if (rgb[:, :, 0] == rgb[:, :, 1]).all() and (rgb[:, :, 0] == rgb[:, :, 2]).all():
+                return np.ascontiguousarray(rgb[:, :, 0])
+            raise DataError(f"{path}: the mask is a colour ({mode}) image; a label map has one value per "
+                            "pixel — save it as 8-bit greyscale with one value per label")
+        raise DataError(f"{path}: the mask is a {mode} image; save it as 8-bit greyscale with one value "
+                        "per label")
 
 
 def _is_seg(path: Path) -> bool:
@@ -183,14 +166,18 @@ def _is_seg(path: Path) -> bool:
         return False
     import pydicom
 
+    from engine.io.guard import check_dicom_inflate, dicom_damage
+
+    check_dicom_inflate(path)
     try:
         ds = pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["Modality", "SOPClassUID"])
     except Exception as exc:  # damaged header
         raise DataError(f"{path}: damaged DICOM file ({type(exc).__name__}: {exc}); copy it again") from exc
     # The file meta's SOP class too: it still names a SEG whose dataset was cut before its Modality.
-    meta = getattr(ds, "file_meta", None)
-    return (str(ds.get("Modality", "")).upper() == "SEG" or str(ds.get("SOPClassUID", "")) == SEG_SOP_CLASS
-            or str(meta.get("MediaStorageSOPClassUID", "") if meta is not None else "") == SEG_SOP_CLASS)
+    with dicom_damage(path):
+        meta = getattr(ds, "file_meta", None)
+        return (str(ds.get("Modality", "")).upper() == "SEG" or str(ds.get("SOPClassUID", "")) == SEG_SOP_CLASS
+                or str(meta.get("MediaStorageSOPClassUID", "") if meta is not None else "") == SEG_SOP_CLASS)
 
 
 def _photo_mask(path: Path, study: Study) -> np.ndarray:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from engine.errors import DataError
+from engine.io.guard import MAX_PIXELS as _GUARD_MAX_PIXELS
 from engine.io.study import Study
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ PathLike = str | os.PathLike[str]
 
 PHOTO_SUFFIXES = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 #: Largest photo read, in pixels (100 megapixels: 300 MB as RGB). Fundus cameras give under 25.
-MAX_PIXELS = 100_000_000
+MAX_PIXELS = _GUARD_MAX_PIXELS
 #: Bit depths of image sensors, tried in order for >8-bit grey photos that do not declare theirs.
 SENSOR_DEPTHS = (8, 10, 12, 14, 16)
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -210,7 +211,7 @@ def read_photo(path: PathLike) -> Study:
     except (OSError, ValueError, SyntaxError, MemoryError, EOFError, struct.error, ZeroDivisionError,
             # Pillow's TIFF plugin meets damaged tag tables with KeyError, TypeError or IndexError
             # (found by tests/io/test_fuzz_readers.py).
-            KeyError, TypeError, IndexError) as exc:
+            KeyError, TypeError, IndexError, OverflowError) as exc:
         raise DataError(f"{p}: the image cannot be decoded ({type(exc).__name__}: {exc}); the file is damaged or "
                         "truncated, re-export it as PNG") from exc
     description = {"format": fmt.upper(), "mode": mode, "size": f"{width}x{height}"}

@@ -142,13 +142,10 @@ def _volume_info(path: Path) -> SeriesInfo:
 
 
 def _photo_info(path: Path) -> SeriesInfo:
-    from PIL import Image
+    from engine.io.guard import open_image
 
-    try:
-        with Image.open(path) as img:
-            width, height = img.size
-    except Exception as exc:  # Pillow raises UnidentifiedImageError, OSError, DecompressionBombError, ...
-        raise DataError(f"{path}: not a readable image ({exc}); check the file or re-export it as PNG") from exc
+    with open_image(path, "image") as img:
+        width, height = img.size
     return SeriesInfo(uid=str(path), description=path.name, modality="OP", count=1, size=(height, width))
 
 

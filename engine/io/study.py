@@ -50,6 +50,39 @@ class SeriesInfo:
 
 
 @dataclass(frozen=True, eq=False)
+class SourceGrid:
+    """The voxel grid of the file a volume was read from, so a writer can map canonical voxels back.
+
+    The viewer and the models work in canonical order; exporters that promise "the mask on the
+    source's own grid" (NIfTI export, see docs/io-export.md) write ``to_source(array)`` with
+    ``affine``. For NIfTI, MHA and NRRD sources this is the file's voxel order; for a DICOM series
+    it is the grid SimpleITK's ``ImageSeriesReader`` gives: ``i`` along the row direction
+    (columns), ``j`` along the column direction (rows), ``k`` along the slice normal
+    (``row x column`` direction) in increasing position.
+
+    Attributes
+    ----------
+    shape
+        ``(X, Y, Z)`` of the source's voxel array.
+    affine
+        Voxel -> RAS+ millimetres of the source's voxel order.
+    ornt
+        nibabel orientation ``(3, 2)``: source axis ``i`` is canonical axis ``ornt[i, 0]``,
+        reversed when ``ornt[i, 1] < 0``.
+    """
+
+    shape: tuple[int, int, int]
+    affine: np.ndarray
+    ornt: np.ndarray
+
+    def to_source(self, canonical: np.ndarray) -> np.ndarray:
+        """A view of a canonical-order array (``(X, Y, Z)``) in the source's voxel order."""
+        from engine.io.volumes import source_view
+
+        return source_view(canonical, self.ornt)
+
+
+@dataclass(frozen=True, eq=False)
 class Study:
     """An image ready to show and segment.
 
@@ -81,6 +114,9 @@ class Study:
     dicom_files
         DICOM only: the source slice files ordered along the canonical ``k`` axis (needed to
         export a DICOM SEG that references the source series).
+    source_grid
+        Volumes read from a file or series: the source's own voxel grid (:class:`SourceGrid`),
+        which NIfTI export writes masks on; ``None`` for photos and studies made in memory.
     """
 
     array: np.ndarray
@@ -94,6 +130,7 @@ class Study:
     description: dict[str, str] = field(default_factory=dict)
     series_uid: str | None = None
     dicom_files: tuple[Path, ...] = ()
+    source_grid: SourceGrid | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import DataError
-from engine.io.study import Study
+from engine.io.study import SourceGrid, Study
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,11 @@ def canonical_layout(affine: np.ndarray, shape: tuple[int, int, int]) -> tuple[n
     affine = np.asarray(affine, dtype=np.float64)
     if not np.all(np.isfinite(affine)):
         raise DataError(f"the voxel-to-world transform has NaN or Inf entries: {affine[:3].tolist()}")
-    ornt = io_orientation(affine)
+    try:
+        ornt = io_orientation(affine)
+    except (np.linalg.LinAlgError, ValueError) as exc:
+        raise DataError(f"the voxel-to-world transform cannot be inverted ({exc}): "
+                        f"{np.round(affine[:3], 4).tolist()}; fix the file's spacing/orientation") from None
     if np.isnan(ornt).any():
         raise DataError(f"the voxel-to-world transform is degenerate (an axis has zero length): "
                         f"{np.round(affine[:3], 4).tolist()}; fix the file's spacing/orientation")
@@ -153,9 +157,31 @@ def _existing(path: PathLike) -> Path:
 
 
 def _axcodes(affine: np.ndarray) -> str:
+    """The file's axis codes (``"LPS"``, ...); ``"?"`` where an axis is degenerate."""
     from nibabel.orientations import aff2axcodes
 
-    return "".join(str(c) for c in aff2axcodes(affine))
+    return "".join(str(c) if c is not None else "?" for c in aff2axcodes(affine))
+
+
+def _checked_affine(path: Path, affine: Any) -> np.ndarray:
+    """The file's voxel-to-world affine, refused when NaN/Inf or so large its orientation cannot be found.
+
+    A NaN in a NIfTI's ``srow`` (or qform quaternion) would otherwise surface as numpy's
+    ``LinAlgError: SVD did not converge`` from the orientation code.
+    """
+    from nibabel.orientations import io_orientation
+
+    affine = np.asarray(affine, dtype=np.float64)
+    if affine.shape != (4, 4) or not np.all(np.isfinite(affine)):
+        raise DataError(f"{path}: the voxel-to-world transform (NIfTI sform/qform, or origin/spacing/direction) has "
+                        f"NaN or Inf entries: {np.round(affine[:3], 4).tolist()}; the header is damaged — fix it "
+                        "(e.g. fslorient, or re-export the image)")
+    try:
+        io_orientation(affine)
+    except (np.linalg.LinAlgError, ValueError) as exc:
+        raise DataError(f"{path}: the voxel-to-world transform cannot be inverted ({exc}); the header is damaged — "
+                        "re-export the image") from None
+    return affine
 
 
 # --- NIfTI ------------------------------------------------------------------------------------
@@ -239,7 +265,13 @@ def read_nifti_volume(path: PathLike) -> tuple[np.ndarray, np.ndarray, dict[str,
     except Exception as exc:  # truncated data, wrong sizes in the header
         raise DataError(f"{p}: the voxel data cannot be read ({exc}); the file is damaged or truncated, "
                         "re-export it") from exc
-    affine = np.asarray(img.affine, dtype=np.float64)
+    try:
+        affine = _checked_affine(p, img.affine)
+    except DataError:
+        raise
+    except Exception as exc:  # nibabel computing a qform affine from a damaged quaternion
+        raise DataError(f"{p}: the NIfTI orientation (sform/qform) cannot be read ({exc}); the header is damaged — "
+                        "re-export it") from None
     return data, affine, {"format": type(img).__name__.replace("Image", ""), "file_orientation": _axcodes(affine)}
 
 
@@ -293,7 +325,7 @@ def read_itk_volume(path: PathLike) -> tuple[np.ndarray, np.ndarray, dict[str, s
         lps[:3, :3] = direction * spacing
         lps[:3, 3] = origin
     array = np.asarray(data, dtype=np.float32).transpose(2, 1, 0)
-    affine = LPS_TO_RAS @ lps
+    affine = _checked_affine(p, LPS_TO_RAS @ lps)
     description = {"format": "NRRD" if volume_format(p) == "nrrd" else "MetaImage",
                    "file_orientation": _axcodes(affine)}
     modality = _itk_modality(reader)
@@ -338,6 +370,7 @@ def read_volume(path: PathLike) -> Study:
         data, affine, description = read_itk_volume(p)
     try:
         array, canonical_affine = to_canonical(data, affine)
+        ornt, _, _ = canonical_layout(affine, tuple(data.shape[:3]))  # type: ignore[arg-type]
     except DataError as exc:
         raise DataError(f"{p}: {exc}") from exc
     if not np.isfinite(array).all():
@@ -352,4 +385,5 @@ def read_volume(path: PathLike) -> Study:
         source=p,
         source_format=fmt,
         description=description,
+        source_grid=SourceGrid(tuple(int(n) for n in data.shape[:3]), affine, ornt),  # type: ignore[arg-type]
     )

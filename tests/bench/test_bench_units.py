@@ -215,7 +215,7 @@ def test_docs_refused_for_a_preset_other_than_cpu_small_or_paper(tmp_path, monke
     assert rc == 2
     assert "--force-docs" in err and "--out" in err and "tiny" in err
     assert (docs / "results.md").read_text() == "published\n" and not out.exists()
-    assert set(bench_command.DOCS_PRESETS) == {"cpu-small", "paper"}
+    assert set(bench_command.DOCS_PRESETS) == {"cpu-small", "cpu-converged", "paper"}
 
 
 def test_reading_of_another_preset_is_not_kept(tmp_path):

@@ -38,7 +38,7 @@ def test_federation_config_defaults_and_paths(tmp_path):
     assert cfg.tls.ca_cert == tmp_path / "coord" / "certs" / "ca.pem"
     assert cfg.enrolled_dir == tmp_path / "coord" / "enrolled"
     assert (cfg.min_sites, cfg.round_timeout, cfg.round_attempts) == (2, 30.0, 3)
-    # the same defaults as `fedsm simulate`: lam = max(0.7, 1/K), extra_rounds = rounds
+    # the same defaults as `fedsm simulate`: lam = max(0.7, 1/K), extra_rounds = ceil(rounds / 2)
     assert cfg.spec.lam == pytest.approx(0.7)
     assert cfg.spec.total_rounds == 3
 

@@ -35,6 +35,7 @@ SITE_EVENT_KEYS = {
     "round_start": {"round", "rounds", "method"}, "batch": {"round", "batch", "batches", "loss", "method"},
     "metrics": {"round", "loss", "dice"}, "sent": {"round", "bytes", "contents"},
     "round_end": {"round", "rounds", "wall_s"}, "finished": {"rounds"},
+    "run_settings": {"settings"},  # the signed run spec, verified by the site (engine.security.run_spec)
 }
 
 
@@ -95,6 +96,8 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         metrics = next(e for e in events if e["event"] == "metrics" and e["round"] == 1)
         assert set(metrics["dice"]) == {"global", "personalized", "local"}
         assert all(0.0 <= v <= 1.0 for v in metrics["dice"].values())
+        shown = next(e for e in events if e["event"] == "run_settings")["settings"]
+        assert shown["signed"] is True and shown["method"] == "fedsm" and shown["image_size"] == 32
         sent = next(e for e in events if e["event"] == "sent" and e["round"] == 1)
         assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60}
         assert sent["contents"]["num_examples"] > 0 and "loss_global" in sent["contents"]["metrics"]
@@ -126,11 +129,13 @@ def check_sites_address_serves_only_the_fleet_api(port: int, superlink_port: int
     with pytest.raises(httpx.HTTPStatusError, match="404"):
         control.StartRun(StartRunRequest())
     control.close()
-    # ... while on the coordinator's loopback interface (plain HTTP) the Control API answers
+    # ... and on the coordinator's loopback interface (plain HTTP) it answers only the coordinator's
+    # process, which holds the secret (local_auth; tests/federation/test_local_auth.py probes every call)
     local = ControlHttpClient.from_server_address(
         f"127.0.0.1:{superlink_port}", True, None,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
-    assert len(local.ListNodes(ListNodesRequest()).nodes_info) == 3
+    with pytest.raises(httpx.HTTPStatusError, match="401"):
+        local.ListNodes(ListNodesRequest())
     local.close()
     assert listening_addresses(superlink_port) == {"127.0.0.1"}
 

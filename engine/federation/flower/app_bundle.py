@@ -70,6 +70,7 @@ serverapp = "engine.federation.flower.server_app:app"
 clientapp = "engine.federation.flower.client_app:app"
 
 [tool.flwr.app.config]
+fedsm_run_spec = ""
 """.encode()
 
 

@@ -73,6 +73,8 @@ class SiteWorker:
     _data: dict[tuple[str, int], SiteData] = field(default_factory=dict)
     _methods: dict[str, FederatedMethod] = field(default_factory=dict)
     after_reply: PendingReport | None = None
+    #: the run's settings as the coordinator signed them (engine.security.run_spec); every message must carry them
+    signed_spec: str | None = None
 
     # --- pieces ------------------------------------------------------------------------
     def data(self, task: str, image_size: int) -> SiteData:
@@ -114,6 +116,9 @@ class SiteWorker:
         if ins.site != self.cfg.name:
             raise ConfigError(f"the coordinator addressed this message to site {ins.site!r}, but this is "
                               f"{self.cfg.name!r}; check the site name enrolled for this key")
+        if self.signed_spec is not None and ins.spec_json != self.signed_spec:
+            raise ConfigError("the message's run settings differ from the ones the coordinator signed for this run; "
+                              "refusing it")
         method, spec = self.method(ins.spec_json)
         rnd, total = ins.round, ins.rounds
         self.events.emit("received", round=rnd, rounds=total, method=ins.method, bytes=records.record_bytes(content),

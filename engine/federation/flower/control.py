@@ -26,14 +26,19 @@ class ControlClient:
     ----------
     address
         ``127.0.0.1:<port>`` of the SuperLink.
+    local_secret
+        The secret the SuperLink was started with (:mod:`.local_auth`).
     """
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, local_secret: str | None = None) -> None:
         from flwr.supercore.control import ControlHttpClient
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
+        from engine.federation.flower.local_auth import interceptors
+
         self._client = ControlHttpClient.from_server_address(
-            address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")])
+            address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
+                                               *interceptors(local_secret)])
 
     def close(self) -> None:
         self._client.close()
@@ -83,13 +88,14 @@ class ControlClient:
                     log.warning("could not stop earlier run %d: %s", run_id, exc)
         return stopped
 
-    def start_run(self, fab: bytes) -> int:
-        """Start a run of the app bundle ``fab``; return its run id."""
-        from flwr.common.serde import fab_to_proto
+    def start_run(self, fab: bytes, run_config: dict[str, str] | None = None) -> int:
+        """Start a run of the app bundle ``fab`` (with ``run_config``, e.g. the signed run spec); return its run id."""
+        from flwr.common.serde import fab_to_proto, user_config_to_proto
         from flwr.proto.control_pb2 import StartRunRequest
         from flwr.supercore.fab import Fab
 
-        res = self._client.StartRun(StartRunRequest(fab=fab_to_proto(Fab(hashlib.sha256(fab).hexdigest(), fab, {}))))
+        res = self._client.StartRun(StartRunRequest(fab=fab_to_proto(Fab(hashlib.sha256(fab).hexdigest(), fab, {})),
+                                                    override_config=user_config_to_proto(dict(run_config or {}))))
         if not res.HasField("run_id"):
             raise FedSMError("the SuperLink did not start the run; see superlink.log in the work folder")
         return int(res.run_id)

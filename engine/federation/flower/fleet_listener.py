@@ -37,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.federation.flower.request_body import App, Receive, Scope, Send, WholeBody, read_body, replaying
+from engine.federation.flower.upload_limits import MAX_BODY as UPLOAD_MAX_BODY
+from engine.federation.flower.upload_limits import MAX_INFLIGHT, InflightBudget, ReplyBytes
 
 FLEET_PREFIX = "/v1/fleet/"
-#: Largest request body accepted: an object chunk is 5 MB in Flower 1.41, plus framing.
-MAX_BODY = 64 * 1024 * 1024
+#: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41, plus framing (upload_limits).
+MAX_BODY = UPLOAD_MAX_BODY
 
 
 class FleetOnly:
@@ -58,11 +60,18 @@ class FleetOnly:
         body) is answered 411: Flower's clients always state the length.
     record_dir
         Write every forwarded body there (see the module's docstring).
+    max_inflight
+        Bytes of bodies received at once (503 beyond; :class:`.upload_limits.InflightBudget`).
+    max_reply_bytes
+        Largest reply a site may upload (413 beyond; :class:`.upload_limits.ReplyBytes`).
     """
 
     def __init__(self, app: App, max_body: int = MAX_BODY,
-                 record_dir: Path | None = None) -> None:
+                 record_dir: Path | None = None, max_inflight: int = MAX_INFLIGHT,
+                 max_reply_bytes: int | None = None) -> None:
         self.app, self.max_body, self.record_dir = app, max_body, record_dir
+        self.inflight = InflightBudget(max(max_inflight, max_body))
+        self.replies = ReplyBytes(max_reply_bytes)
         self._recorded = 0
         if record_dir is not None:
             record_dir.mkdir(parents=True, exist_ok=True)
@@ -83,8 +92,23 @@ class FleetOnly:
         if length > self.max_body:
             await _answer(send, 413, b"request body too large\n")
             return
-        body = await read_body(receive)  # bounded by the check above
+        if not self.inflight.take(length):  # too many bytes on their way in at once: come back later
+            await _answer(send, 503, b"busy, retry later\n")
+            return
+        try:
+            body = await read_body(receive)  # bounded by the checks above
+        finally:
+            self.inflight.give(length)
         if body is None:  # the client left before its body was complete
+            return
+        if scope["path"].endswith("/push-messages"):
+            refused = self.replies.messages_pushed(body)
+        elif scope["path"].endswith("/push-object"):
+            refused = self.replies.object_pushed(body)
+        else:
+            refused = None
+        if refused is not None:
+            await _answer(send, 413, refused.encode() + b"\n")
             return
         if self.record_dir is not None:
             self._record(scope["path"], body)
@@ -134,13 +158,17 @@ async def _run(server: Any) -> None:
 
 
 def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_certfile: str | None,
-          ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None) -> None:
+          ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None,
+          local_secret: str | None = None, max_reply_bytes: int | None = None) -> None:
     """Serve ``app`` whole on ``local`` and fleet-only on ``public`` until SIGINT or SIGTERM.
 
     The application's lifespan (which starts and stops the SuperLink's state) runs once,
-    with the loopback listener.
+    with the loopback listener. With ``local_secret``, the loopback listener answers only
+    requests that carry it (:mod:`.local_auth`).
     """
     import uvicorn
+
+    from engine.federation.flower.local_auth import guard
 
     class _Quiet(uvicorn.Server):
         """A server that leaves signals to :func:`serve`."""
@@ -151,10 +179,11 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
 
     tls = {"ssl_certfile": ssl_certfile, "ssl_keyfile": ssl_keyfile}
     # Flower's middleware then sees each body as one message (FleetOnly reads bodies whole too)
-    inner = _Quiet(uvicorn.Config(WholeBody(app), host=local[0], port=local[1], log_config=log_config,
-                                  access_log=False))
-    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir), host=public[0], port=public[1],
-                                  lifespan="off", log_config=log_config, access_log=False, **tls))
+    inner = _Quiet(uvicorn.Config(guard(WholeBody(app), local_secret), host=local[0], port=local[1],
+                                  log_config=log_config, access_log=False))
+    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir, max_reply_bytes=max_reply_bytes),
+                                  host=public[0], port=public[1], lifespan="off", log_config=log_config,
+                                  access_log=False, **tls))
 
     async def both() -> None:
         loop = asyncio.get_running_loop()

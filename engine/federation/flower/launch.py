@@ -58,6 +58,8 @@ from engine.federation.flower.request_body import wrap_supernode_runtime_api
 _GRACE_S = 10.0
 #: Start of the output line by which the SuperNode tells the site process that it refused an app.
 REFUSED_APP = "FEDSM-REFUSED-APP"
+#: The same for a run whose signed settings it refused (engine.security.run_spec).
+REFUSED_SPEC = "FEDSM-REFUSED-SPEC"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -100,7 +102,8 @@ def _prompt_supernode(cap: float) -> None:
         max_tries_per_object=None)
 
 
-def guard_apps(module: Any, approved: list[str], site: str, report: Any = None) -> None:
+def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
+               policy: dict[str, Any] | None = None) -> None:
     """Make ``module._pull_and_store_message`` (Flower's SuperNode loop) refuse unapproved apps before pulling.
 
     The wrapper takes the next message's header from the coordinator, and for a run the
@@ -108,6 +111,11 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None) 
     (:func:`engine.security.approval.check_app_approved`). Refused: an error reply is queued
     for the coordinator (Flower's own path for a FAB that fails verification) and nothing else
     happens. Approved: Flower's function continues with the same message, run and FAB.
+
+    With ``policy`` (``{"ca_cert": path or None, "bounds": SiteBounds as a dict}``) the run's
+    signed settings are checked the same way, before any payload is pulled
+    (:func:`engine.security.run_spec.verify_envelope`); a refusal prints
+    ``FEDSM-REFUSED-SPEC <reason>``.
     """
     from flwr.app import Error, Message
     from flwr.common.constant import ErrorCode
@@ -135,6 +143,12 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None) 
                     reply = Message(Error(ErrorCode.INVALID_FAB, str(exc)), reply_to=message)
                     module._insert_message(reply, state, object_store)
                     return run_id
+                refusal = _refuse_spec(policy, run_info, fab.content)
+                if refusal is not None:
+                    say(f"{REFUSED_SPEC} {refusal}")
+                    reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, refusal), reply_to=message)
+                    module._insert_message(reply, state, object_store)
+                    return run_id
                 fetched_run, fetched_fab = run_info, fab
                 get_run = lambda rid, _get=get_run: fetched_run if rid == run_id else _get(rid)  # noqa: E731
                 get_fab = (lambda fab_hash, rid, _get=get_fab:  # noqa: E731
@@ -147,7 +161,26 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None) 
     module._pull_and_store_message = guarded
 
 
-def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None) -> None:
+def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> str | None:
+    """Why the run's signed settings are refused under ``policy`` (``None``: accepted or no policy)."""
+    if policy is None:
+        return None
+    from pathlib import Path
+
+    from engine.security.approval import app_hash
+    from engine.security.run_spec import RUN_CONFIG_KEY, RunSpecRefused, SiteBounds, verify_envelope
+
+    try:
+        verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
+                        ca_cert=Path(policy["ca_cert"]) if policy.get("ca_cert") else None,
+                        app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")))
+    except RunSpecRefused as exc:
+        return str(exc)
+    return None
+
+
+def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None,
+                            max_reply_bytes: int | None = None) -> None:
     """Make the SuperLink serve its API on its own port and the Fleet API alone on ``fleet_address``.
 
     Replaces ``_run_superlink_http_api`` of Flower's SuperLink command (which runs the one
@@ -159,6 +192,7 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
     from flwr.superlink.main import create_app
 
     from engine.federation.flower.fleet_listener import serve
+    from engine.federation.flower.local_auth import secret_from_environment
 
     if not callable(getattr(module, "_run_superlink_http_api", None)):
         raise SystemExit("this Flower version's SuperLink command has no _run_superlink_http_api; FedSM needs "
@@ -171,7 +205,8 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
         serve(app, local=(lifespan_config.host, lifespan_config.port), public=(host.strip("[]"), int(port)),
               ssl_certfile=lifespan_config.ssl_certfile, ssl_keyfile=lifespan_config.ssl_keyfile,
               log_config=get_uvicorn_log_config(module.console_handler.level),
-              record_dir=None if record_dir is None else Path(record_dir))
+              record_dir=None if record_dir is None else Path(record_dir), local_secret=secret_from_environment(),
+              max_reply_bytes=max_reply_bytes)
 
     module._run_superlink_http_api = run_http_api
 
@@ -188,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fleet-address", default=None,
                         help="SuperLink: HOST:PORT on which to serve the Fleet API alone (sites' address)")
     parser.add_argument("--record-dir", default=None, help="SuperLink: write every fleet request body there")
+    parser.add_argument("--max-reply-bytes", type=int, default=None,
+                        help="SuperLink: largest reply a site may upload (engine.federation.flower.upload_limits)")
+    parser.add_argument("--run-policy", default=None,
+                        help="SuperNode: JSON {ca_cert, bounds} against which each run's signed settings are checked")
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     flower_args = argv[split + 1:]
@@ -198,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         # the command's module (the package re-exports its entry function under the same name)
         command = importlib.import_module("flwr.superlink.cli.flower_superlink")
         if args.fleet_address is not None:
-            _serve_fleet_separately(command, args.fleet_address, args.record_dir)
+            _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes)
         tuning.fleet_push_reads_content_once()
         entry = command.flower_superlink
         sys.argv = ["flower-superlink", *flower_args]
@@ -207,9 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.poll_interval is not None:
             _prompt_supernode(args.poll_interval)
         if args.approved_apps is not None:
+            import json
+
             from flwr.supernode import start_client_internal
 
-            guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site)
+            guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site,
+                       policy=None if args.run_policy is None else json.loads(args.run_policy))
         wrap_supernode_runtime_api()
         tuning.store_without_rehash(command)
         entry = command.flower_supernode

@@ -64,7 +64,8 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 
 def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None,
                   approved_apps: list[str] | tuple[str, ...] | None = None, site: str | None = None,
-                  fleet_address: str | None = None, record_dir: str | None = None) -> list[str]:
+                  fleet_address: str | None = None, record_dir: str | None = None,
+                  run_policy: str | None = None, max_reply_bytes: int | None = None) -> list[str]:
     """Command line that runs a Flower component under the FedSM launcher.
 
     ``approved_apps`` (SuperNode): the app hashes it may serve; anything else is refused
@@ -83,6 +84,10 @@ def launcher_argv(component: str, flower_args: list[str], poll_interval: float |
         argv += ["--fleet-address", fleet_address]
     if record_dir is not None:
         argv += ["--record-dir", record_dir]
+    if run_policy is not None:  # SuperNode: JSON {ca_cert, bounds} for the signed run spec
+        argv += ["--run-policy", run_policy]
+    if max_reply_bytes is not None:  # SuperLink: largest reply a site may upload
+        argv += ["--max-reply-bytes", str(int(max_reply_bytes))]
     return [*argv, "--", *flower_args]
 
 

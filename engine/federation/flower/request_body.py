@@ -82,8 +82,11 @@ def wrap_supernode_runtime_api() -> None:
     if getattr(build, "wraps_whole_body", False):
         return
 
-    def create_app(*args: Any, **kwargs: Any) -> WholeBody:
-        return WholeBody(build(*args, **kwargs))
+    from engine.federation.flower.local_auth import guard, secret_from_environment
+
+    def create_app(*args: Any, **kwargs: Any) -> Any:
+        # only the site process that started this SuperNode reaches its Runtime API (local_auth)
+        return guard(WholeBody(build(*args, **kwargs)), secret_from_environment())
 
     create_app.wraps_whole_body = True  # type: ignore[attr-defined]
     supernode_main.create_app = create_app

@@ -44,14 +44,20 @@ CHECKPOINT = "checkpoint.safetensors"
 def _prepare_resume(cfg: FederationConfig, resume: bool, app_hash: str, events: EventWriter
                     ) -> tuple[Checkpoint | None, str]:
     path = cfg.work_dir / CHECKPOINT
+    from engine.federation.checkpoint import load_latest_valid, round_files
+
     if not resume:
         if path.exists():
             raise ConfigError(f"{path} holds an unfinished or finished run; continue it with 'fedsm server --config "
                               f"{cfg.path} --resume', or move the file away to start a new run")
         return None, uuid.uuid4().hex
-    if not path.exists():
+    if not path.exists() and not round_files(path):
         raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume")
-    ckpt = Checkpoint.load(path)
+    ckpt, problems = load_latest_valid(path)
+    for problem in problems:  # a corrupt newer checkpoint: said loudly, then the one before it is used
+        events.error(f"checkpoint skipped: {problem}")
+    if problems:
+        events.status(f"resuming from the checkpoint of round {ckpt.round}, the newest one that verifies")
     from engine.federation.spec import MethodSpec
 
     differ = MethodSpec.from_json(ckpt.spec_json).differences(cfg.spec)
@@ -102,16 +108,18 @@ def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[st
             "--ssl-keyfile", str(cfg.tls.server_key), "--enable-supernode-auth"]
 
 
-def _acquire_server_task(address: str, timeout: float = 60.0) -> str:
+def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str | None = None) -> str:
     """The ServerApp task's token from the SuperLink's loopback listener (plain HTTP)."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
 
+    from engine.federation.flower.local_auth import interceptors
+
     client = RuntimeHttpClient.from_server_address(
         server_address=address, insecure=True, root_certificates=None,
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp")])
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"), *interceptors(local_secret)])
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -199,6 +207,8 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     from engine.federation.flower import tuning
     from engine.federation.flower.app_bundle import build_app_bundle
     from engine.federation.flower.control import ControlClient
+    from engine.federation.flower.local_auth import ENV as SECRET_ENV
+    from engine.federation.flower.local_auth import interceptors, new_secret
     from engine.federation.flower.server_app import (
         FederationRunner,
         RegisteredSites,
@@ -222,10 +232,18 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
                   f"app {app.hash}")
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
+    secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
+    from engine.federation.flower.upload_limits import reply_limit_for
+    from engine.fl.robust import RobustSettings
+
+    max_reply_mb = RobustSettings.from_dict(cfg.robust).max_reply_mb
+    max_reply = (int(max_reply_mb * 2**20) if max_reply_mb
+                 else reply_limit_for(method, method.initial_state(), cfg.sites))
     superlink = ChildProcess(
         "SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure), fleet_address=cfg.address,
-                                   record_dir=None if record_fleet is None else str(record_fleet)),
-        cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home")})
+                                   record_dir=None if record_fleet is None else str(record_fleet),
+                                   max_reply_bytes=max_reply),
+        cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home"), SECRET_ENV: secret})
     heartbeat = runtime = control = grid = None
     status, details = "failed", "the coordinator stopped before the run ended"
     try:
@@ -235,19 +253,25 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
                                 cfg.port, timeout=60)
         events.status(f"sites connect to {cfg.address}" + (" (INSECURE: no TLS, no site authentication)"
                                                            if insecure else ""))
-        # the SuperLink's loopback listener is plain HTTP (fleet_listener): only this machine reaches it
-        control = ControlClient(address)
+        # the SuperLink's loopback listener is plain HTTP (fleet_listener): only this machine reaches it,
+        # and only requests with this process's secret get through (local_auth)
+        control = ControlClient(address, secret)
         directory = (SelfNamedSites(cfg.sites, cfg.poll_interval) if insecure
                      else RegisteredSites(control.register_sites(keys)))
         stale = control.stop_unfinished_runs()
         if stale:
             events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
-        control.start_run(app.content)
-        token = _acquire_server_task(address)
+        # the run's settings, signed with the coordinator's key: sites check them before pulling any payload
+        from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope
+
+        envelope = make_envelope(cfg.spec.to_json(), app.hash, session,
+                                 None if insecure else cfg.tls.server_key, None if insecure else cfg.tls.server_cert)
+        control.start_run(app.content, {RUN_CONFIG_KEY: envelope})
+        token = _acquire_server_task(address, local_secret=secret)
         runtime = RuntimeHttpClient.from_server_address(
             server_address=address, insecure=True, root_certificates=None,
             interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
-                          RuntimeTokenHttpInterceptor(token)])
+                          RuntimeTokenHttpInterceptor(token), *interceptors(secret)])
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(runtime))
         heartbeat.start()
         task_input = runtime.PullTaskInput(PullTaskInputRequest())
@@ -256,6 +280,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         TaskIdentity.run_id = run.run_id
         TaskIdentity.node_id = task_input.context.node_id
         grid = PromptHttpGrid(address, True, None, token=token)
+        grid.local_secret = secret
         grid.pull_timeout = min(cfg.round_timeout, 60.0)
         grid.cancel = stop
         grid.set_run(run)
@@ -263,6 +288,8 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
                                  cfg.poll_interval, cfg.rejoin_wait)
         runner = FederationRunner(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
                                   app.hash, cancel=stop, address=cfg.address)
+        runner.keep_checkpoints = cfg.keep_checkpoints
+        runner.set_robust(cfg.robust)
         result: dict[str, Any] = {}
         build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
         summary = write_results(cfg, method, result["state"], runner.history, session, app.hash,

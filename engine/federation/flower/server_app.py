@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import CancelledError, FedSMError, WeightsError
-from engine.federation.checkpoint import Checkpoint
+from engine.federation.checkpoint import KEEP_CHECKPOINTS, Checkpoint
 from engine.federation.events import EventWriter
 from engine.federation.flower import records
+from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -219,10 +220,20 @@ class FederationRunner:
         self.address = address
         self.history: list[dict[str, Any]] = []
         self._online: set[str] = set()
+        #: checkpoints kept beside ``checkpoint_path`` (``None``: only the newest, no round files)
+        self.keep_checkpoints: int | None = KEEP_CHECKPOINTS
+        #: bounds on every site's update (``[robust]``); see :mod:`engine.fl.robust`
+        self.robust = RobustSettings()
+        self.screen = UpdateScreen(self.robust, lambda site, message: self.events.error(message, site=site))
 
     @property
     def sites(self) -> tuple[str, ...]:
         return self.spec.site_names
+
+    def set_robust(self, table: Mapping[str, Any]) -> None:
+        """Use the ``[robust]`` table of ``federation.toml`` (:class:`engine.fl.robust.RobustSettings`)."""
+        self.robust = RobustSettings.from_dict(table)
+        self.screen.settings = self.robust
 
     # --- sites -------------------------------------------------------------------------
     def _check_cancel(self) -> None:
@@ -312,9 +323,15 @@ class FederationRunner:
             try:
                 update = records.decode_update(reply.content, site, rnd)
                 self.method.validate_update(state, site, update)
+                update = self.screen.screen(self.method, state, site, update)  # engine.fl.robust bounds
             except (FedSMError, WeightsError) as exc:
                 left_out[site] = f"update rejected: {exc}"
                 log.warning("round %d: update from %s rejected: %s", rnd, site, exc)
+                self.events.error(left_out[site], site=site, round=rnd)
+                return
+            except Exception as exc:  # whatever a site sends, the coordinator goes on
+                left_out[site] = f"update rejected: it does not decode ({type(exc).__name__}: {exc})"
+                log.warning("round %d: update from %s does not decode: %r", rnd, site, exc)
                 self.events.error(left_out[site], site=site, round=rnd)
                 return
             bytes_from[site] = records.record_bytes(reply.content)
@@ -349,7 +366,7 @@ class FederationRunner:
         if first > total:
             return state  # a finished run: nothing left to do
         self.wait_for_sites(grid)
-        with CheckpointWriter(self.events) as writer:
+        with CheckpointWriter(self.events, keep=self.keep_checkpoints) as writer:
             for rnd in range(first, total + 1):
                 state = self._round(grid, state, rnd, writer)
         return state
@@ -360,23 +377,32 @@ class FederationRunner:
         started = time.monotonic()
         self.events.emit("round_start", round=rnd, rounds=total, method=self.method.name)
         result = None
+        aggregated = None
         for attempt in range(1, self.settings.round_attempts + 1):
             self._check_cancel()
             self.wait_for_rejoin(grid)
             result = self.run_round(grid, state, rnd)
+            aggregated = None
             if len(result.updates) >= self.settings.min_sites:
-                break
+                # an update the method cannot aggregate is left out, never a crash (engine.fl.robust)
+                aggregated, refused = aggregate_leaving_out(self.method, state, rnd, result.updates, self.robust)
+                for site, reason in refused.items():
+                    result.updates.pop(site, None)
+                    result.left_out[site] = reason
+                    self.events.error(reason, site=site, round=rnd)
+                if aggregated is not None and len(result.updates) >= self.settings.min_sites:
+                    break
             self.events.error(f"round {rnd}: {len(result.updates)} valid answers, fewer than min_sites = "
                               f"{self.settings.min_sites} (attempt {attempt} of {self.settings.round_attempts})",
                               round=rnd, left_out=result.left_out)
             if attempt < self.settings.round_attempts:
                 self.wait_for_sites(grid)
         assert result is not None
-        if len(result.updates) < self.settings.min_sites:
+        if aggregated is None or len(result.updates) < self.settings.min_sites:
             raise FedSMError(f"round {rnd}: fewer than min_sites = {self.settings.min_sites} sites answered in "
                              f"{self.settings.round_attempts} attempts ({result.left_out}); the checkpoint of "
                              f"round {rnd - 1} is kept: fix the sites, then run 'fedsm server --resume'")
-        state = self.method.aggregate(state, rnd, result.updates)
+        state = aggregated
         wall_s = time.monotonic() - started
         record = {"round": rnd, "answered": sorted(result.updates), "left_out": result.left_out,
                   "wall_s": round(wall_s, 3), "train_s": result.train_s,
@@ -414,8 +440,9 @@ class CheckpointWriter:
     deterministic, so the result is the same).
     """
 
-    def __init__(self, events: EventWriter) -> None:
+    def __init__(self, events: EventWriter, keep: int | None = None) -> None:
         self.events = events
+        self.keep = keep
         self._pool: Any = None
         self._pending: list[Any] = []
 
@@ -427,7 +454,7 @@ class CheckpointWriter:
 
     def submit(self, checkpoint: Checkpoint, path: Path) -> None:
         def write() -> None:
-            saved = checkpoint.save(path)
+            saved = checkpoint.save(path, keep=self.keep)
             self.events.emit("checkpoint", round=checkpoint.round, path=str(saved))
 
         self._pending = [f for f in self._pending if not f.done()] + [self._pool.submit(write)]

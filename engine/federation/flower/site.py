@@ -15,6 +15,7 @@ say so.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -26,7 +27,9 @@ from typing import Any
 from engine.errors import CancelledError, ConfigError, FedSMError
 from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
 from engine.federation.events import EventWriter
-from engine.federation.flower.launch import REFUSED_APP
+from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
+from engine.federation.flower.local_auth import ENV as SECRET_ENV
+from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
 from engine.federation.preflight import CoordinatorWatch
 
@@ -34,6 +37,24 @@ log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RESTART_PAUSES = (2.0, 4.0, 8.0, 15.0, 30.0)
+
+
+def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
+    """What a run's signed settings are checked against: the federation CA (none when insecure) and [bounds]."""
+    from engine.security.run_spec import SiteBounds, bounds_dict
+
+    return {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
+            "bounds": bounds_dict(SiteBounds.from_dict(cfg.bounds))}
+
+
+def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes) -> dict[str, Any]:
+    """The run's verified settings (:func:`engine.security.run_spec.verify_envelope`) from its run config."""
+    from engine.security.approval import app_hash
+    from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
+
+    return verify_envelope((run_config or {}).get(RUN_CONFIG_KEY),
+                           ca_cert=None if insecure or cfg.ca_cert is None else cfg.ca_cert,
+                           app_hash=app_hash(fab), bounds=SiteBounds.from_dict(cfg.bounds))
 
 
 class SuperNodeSupervisor:
@@ -53,6 +74,8 @@ class SuperNodeSupervisor:
         self._thread: threading.Thread | None = None
         self._sent = threading.Condition()
         self.sent_count = 0
+        #: the SuperNode's Runtime API answers only requests with this secret (local_auth)
+        self.local_secret = new_secret()
 
     def argv(self) -> list[str]:
         args = ["--superlink", self.cfg.coordinator, "--isolation", "process", "--host", "127.0.0.1",
@@ -63,13 +86,17 @@ class SuperNodeSupervisor:
             args += ["--root-certificates", str(self.cfg.ca_cert), "--auth-supernode-private-key",
                      str(self.cfg.private_key)]
         return launcher_argv("supernode", args, poll_interval=self.cfg.poll_interval,
-                             approved_apps=list(self.cfg.approved_apps), site=self.cfg.name)
+                             approved_apps=list(self.cfg.approved_apps), site=self.cfg.name,
+                             run_policy=json.dumps(run_policy(self.cfg, self.insecure)))
 
     def _on_line(self, line: str) -> None:
         text = _ANSI.sub("", line)
         if text.startswith(REFUSED_APP):
             # the SuperNode refused a message of an app this site never approved (its payload was not pulled)
             self.events.error(text[len(REFUSED_APP):].strip())
+        elif text.startswith(REFUSED_SPEC):
+            # ... or of a run whose signed settings are unsigned, tampered with or beyond [bounds]
+            self.events.error(text[len(REFUSED_SPEC):].strip())
         elif "Sent successfully" in text:
             with self._sent:
                 self.sent_count += 1
@@ -99,7 +126,8 @@ class SuperNodeSupervisor:
 
     def _start_child(self) -> None:
         self.child = ChildProcess("SuperNode", self.argv(), self.log_path, on_line=self._on_line,
-                                  env={"FLWR_HOME": str(self.cfg.work_dir / "flower-home")})
+                                  env={"FLWR_HOME": str(self.cfg.work_dir / "flower-home"),
+                                       SECRET_ENV: self.local_secret})
         self.child.start()
 
     def wait_forwarded(self, count: int, timeout: float = 10.0) -> bool:
@@ -150,8 +178,12 @@ class TaskExecutor:
     """Run ClientApp tasks that the SuperNode queued: approval first, then the installed engine."""
 
     def __init__(self, cfg: SiteConfig, runtime_address: str, client_app: Any, worker: Any,
-                 events: EventWriter) -> None:
+                 events: EventWriter, local_secret: str | None = None) -> None:
         self.cfg = cfg
+        self.local_secret = local_secret
+        #: no certificates: the run spec is not signed (its settings are still checked against [bounds])
+        self.insecure = False
+        self._announced: set[str] = set()
         self.address = runtime_address
         self.app = client_app
         self.worker = worker
@@ -161,11 +193,21 @@ class TaskExecutor:
         from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
         from flwr.supercore.runtime import RuntimeHttpClient
 
-        interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp")]
+        chain: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
+                            *interceptors(self.local_secret)]
         if token is not None:
-            interceptors.append(RuntimeTokenHttpInterceptor(token))
+            chain.append(RuntimeTokenHttpInterceptor(token))
         return RuntimeHttpClient.from_server_address(server_address=self.address, insecure=True,
-                                                     root_certificates=None, interceptors=interceptors)
+                                                     root_certificates=None, interceptors=chain)
+
+    def _announce(self, settings: dict[str, Any]) -> None:
+        """Emit the run's settings once per run (``run_settings``: what the operator reviews)."""
+        from engine.security.run_spec import describe
+
+        key = settings["session"] + settings["spec_json"]
+        if key not in self._announced:
+            self._announced.add(key)
+            self.events.emit("run_settings", settings=describe(settings))
 
     def acquire(self, client: Any) -> str | None:
         """A task token if the SuperNode has a ClientApp task waiting."""
@@ -193,6 +235,7 @@ class TaskExecutor:
         from engine.federation.flower.client_app import shareable_reason
         from engine.federation.flower.transfer import pull_task_header, pull_task_message, release_task_message
         from engine.security.approval import AppNotApproved, check_app_approved
+        from engine.security.run_spec import RunSpecRefused
 
         client = self._client(token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
@@ -210,6 +253,18 @@ class TaskExecutor:
                 self.events.error(str(exc))
                 reply = Message(Error(ErrorCode.INVALID_FAB, shareable_reason(exc, self.cfg.name)), reply_to=message)
             else:
+                try:
+                    # the run's signed settings, checked against [bounds] before the payload is pulled
+                    settings = check_run_settings(self.cfg, self.insecure, context.run_config, task.fab.content)
+                    self._announce(settings)
+                    self.worker.signed_spec = settings["spec_json"]
+                except RunSpecRefused as exc:
+                    release_task_message(client, task)
+                    self.events.error(str(exc))
+                    reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=message)
+                    push_message(client, reply, context)
+                    status, details = SubStatus.COMPLETED, ""
+                    return
                 try:
                     message = pull_task_message(client, task, cancel=self.worker.cancel)
                     reply = self.app(message=message, context=context)
@@ -288,7 +343,9 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     worker = SiteWorker(cfg, events, cancel=stopping, validate=validate)
     port = cfg.runtime_port or free_port()
     supervisor = SuperNodeSupervisor(cfg, insecure, port, events, cfg.work_dir / "supernode.log")
-    executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events)
+    executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events,
+                            local_secret=supervisor.local_secret)
+    executor.insecure = insecure
     events.status(f"site {cfg.name} connecting to {cfg.coordinator}" + (" (INSECURE: no TLS, no site key)"
                                                                          if insecure else ""))
     watch = CoordinatorWatch(cfg.coordinator, str(cfg.path), grace=ONCE_GRACE_S) if once else None

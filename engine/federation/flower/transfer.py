@@ -167,12 +167,22 @@ class PromptHttpGrid(HttpGrid):
 
     pull_timeout: float = 60.0
     cancel: Callable[[], bool] | None = None
+    #: the SuperLink's loopback secret (:mod:`.local_auth`), added to every request
+    local_secret: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Flower retries a failed request forever; a coordinator whose SuperLink died must
         # give up (and exit) instead of hanging in a retry loop
         self._retry_invoker.max_time = 60.0
+
+    def _connect(self) -> None:
+        from engine.federation.flower.local_auth import interceptors
+
+        super()._connect()
+        if self.local_secret and self._client is not None:
+            # HttpGrid builds its client with a fixed list of interceptors; add the secret's
+            self._client._interceptors = (*self._client._interceptors, *interceptors(self.local_secret))
 
     def close(self) -> None:
         self._retry_invoker.max_tries = 1

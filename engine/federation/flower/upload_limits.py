@@ -1,0 +1,146 @@
+"""Bounds on what sites can make the SuperLink hold: bytes being received, and bytes per reply.
+
+Flower 1.41 bounds neither: its HTTP Fleet API reads any request body whole before it checks
+the SuperNode's signature, and it stores every object a node pushes for a message, however
+many and however large, until the ServerApp pulls them. The fleet listener
+(:class:`.fleet_listener.FleetOnly`) therefore applies, before a request reaches Flower:
+
+- **a per-request limit** (``max_body``, 8 MiB: Flower splits arrays into chunks of 5 MiB, its
+  largest legitimate request), 413 above it, decided from ``Content-Length`` before the
+  body is read;
+- **an in-flight budget** (:class:`InflightBudget`, 64 MiB): the declared lengths of the bodies
+  being received at once, from anyone, authenticated or not. A request that would exceed it
+  is answered 503 at once (Flower's clients retry 503 with back-off), so sixteen anonymous
+  60 MB uploads cost the SuperLink at most the budget, never a gigabyte;
+- **a per-reply limit** (:class:`ReplyBytes`): a site first pushes a reply's object tree
+  (``push-messages``), then its objects (``push-object``). A tree of more than
+  ``max_reply_objects`` objects is refused whole (413, nothing stored); then the bytes of the
+  objects pushed for one tree are counted, and an object that would take the reply beyond
+  ``max_reply_bytes`` is refused (413), so an oversized reply is never complete: the
+  coordinator never pulls it and leaves the site out of the round when its wait for the
+  missing objects ends. The coordinator sets the limit from the method's largest legitimate
+  reply (:func:`reply_limit_for`).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+#: Largest request body a site may send: one 5 MiB array chunk plus its framing.
+MAX_BODY = 8 * 1024 * 1024
+#: Bytes of request bodies being received at once, across all connections.
+MAX_INFLIGHT = 64 * 1024 * 1024
+#: Most objects one reply's tree may hold.
+MAX_REPLY_OBJECTS = 4096
+#: Trees remembered for counting (the oldest are forgotten first).
+_REMEMBERED_TREES = 256
+
+
+class InflightBudget:
+    """Bytes of request bodies being received now; :meth:`take` refuses what would exceed ``limit``."""
+
+    def __init__(self, limit: int = MAX_INFLIGHT) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, length: int) -> bool:
+        """Reserve ``length`` bytes; ``False`` (nothing reserved) if that would exceed the budget."""
+        if self.used + length > self.limit:
+            return False
+        self.used += length
+        return True
+
+    def give(self, length: int) -> None:
+        self.used = max(self.used - length, 0)
+
+
+class ReplyBytes:
+    """Counts the bytes pushed for each reply's object tree; refuses trees and objects beyond the limits.
+
+    Parameters
+    ----------
+    max_reply_bytes
+        Largest total of the objects of one reply (``None``: only ``max_reply_objects`` applies).
+    max_reply_objects
+        Most objects one reply's tree may hold.
+    """
+
+    def __init__(self, max_reply_bytes: int | None = None, max_reply_objects: int = MAX_REPLY_OBJECTS) -> None:
+        self.max_reply_bytes = max_reply_bytes
+        self.max_reply_objects = max_reply_objects
+        self._owner: dict[str, str] = {}
+        self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._members: dict[str, list[str]] = {}
+
+    def messages_pushed(self, body: bytes) -> str | None:
+        """Register the trees of a ``push-messages`` body; a reason to refuse it, or ``None``."""
+        from flwr.proto.fleet_pb2 import PushMessagesRequest
+        from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+
+        try:
+            request = PushMessagesRequest.FromString(body)
+        except Exception:  # Flower answers a malformed body itself
+            return None
+        trees = []
+        for tree in request.message_object_trees:
+            ids = [t.object_id for t in iterate_object_tree(tree)]
+            if len(ids) > self.max_reply_objects:
+                return f"a reply of {len(ids)} objects exceeds the limit of {self.max_reply_objects}"
+            trees.append((tree.object_id, ids))
+        for root, ids in trees:
+            self._remember(root, ids)
+        return None
+
+    def object_pushed(self, body: bytes) -> str | None:
+        """Count a ``push-object`` body against its reply; a reason to refuse it, or ``None``."""
+        if self.max_reply_bytes is None:
+            return None
+        from flwr.proto.message_pb2 import PushObjectRequest
+
+        try:
+            object_id = PushObjectRequest.FromString(body).object_id
+        except Exception:  # Flower answers a malformed body itself
+            return None
+        root = self._owner.get(object_id)
+        if root is None:
+            return None  # not part of a registered reply: Flower refuses objects it does not expect
+        total = self._bytes.get(root, 0) + len(body)
+        if total > self.max_reply_bytes:
+            return (f"the reply exceeds the coordinator's limit of {self.max_reply_bytes} bytes "
+                    f"({_mib(self.max_reply_bytes)})")
+        self._bytes[root] = total
+        return None
+
+    def _remember(self, root: str, ids: list[str]) -> None:
+        if root in self._bytes:
+            return
+        self._bytes[root] = 0
+        self._members[root] = ids
+        for object_id in ids:
+            self._owner[object_id] = root
+        while len(self._bytes) > _REMEMBERED_TREES:
+            old, _ = self._bytes.popitem(last=False)
+            for object_id in self._members.pop(old, []):
+                if self._owner.get(object_id) == old:
+                    del self._owner[object_id]
+
+
+#: Smallest per-reply limit the coordinator sets (methods whose replies are not model-shaped have room).
+MIN_REPLY_LIMIT = 128 * 1024 * 1024
+
+
+def reply_limit_for(method: Any, state: Any, sites: list[str] | tuple[str, ...]) -> int:
+    """The largest legitimate reply of ``method`` in bytes, doubled, plus 16 MiB (at least 128 MiB)."""
+    from engine.fl.weights import payload_bytes
+
+    largest = 0
+    for site in sites:
+        parts = method.expected_update_shapes(state, site)
+        largest = max(largest, sum(payload_bytes(w) for w in parts.values()))
+    return max(int(2 * largest + 16 * 1024 * 1024), MIN_REPLY_LIMIT)
+
+
+def _mib(n: int) -> str:
+    return f"{math.ceil(n / 2**20)} MiB"

@@ -1,0 +1,277 @@
+"""Bounds on what one site's answer can do to the federation, checked before it is aggregated.
+
+A site is authenticated, but its answer is still only data: a broken or hostile site can scale
+its weights, claim any number of training samples, or send parts the round does not expect.
+Plain FedAvg weighs by the claimed sample count, so ``num_examples = 10^12`` with zero weights
+replaces the global model, and an update scaled by 10^6 ruins it. The coordinator therefore
+screens every decoded, shape-checked update (:func:`screen_update`):
+
+- **Sample count.** ``num_examples`` must not exceed the site's declared count
+  (``[robust] num_examples = {site1 = 120, ...}`` in ``federation.toml``, the value agreed at
+  enrolment), or, for a site without one, the count of its first accepted answer in this
+  coordinator process times ``num_examples_growth`` (default 1.0: a site's training set does
+  not grow during a run), and never ``max_num_examples`` (default 10^7).
+- **Update size.** For every part of the update that has a reference in the round's model
+  (the global model, the site's personalized model, the selector, Scaffold's control), the
+  relative change ``||update - reference|| / ||reference||`` must not exceed
+  ``max_relative_update`` (default 10.0; a round of local training moves a model by a few
+  percent to a few tenths of its norm, see docs/federation.md). A part whose reference is all
+  zeros (Scaffold's control in round 1) is measured against the largest reference part's norm.
+  ``norm_action = "reject"`` (default) leaves the site out of the round; ``"clip"`` scales the
+  change down to the bound and keeps it. Either way an ``error`` event names the site and the
+  ratio.
+- **Schema.** An update the method cannot aggregate (e.g. a FedSM answer holding only the
+  selector statistics in a training round) is found by :func:`aggregate_leaving_out`: if the
+  aggregation of all updates fails, each update is aggregated alone, those that fail are left
+  out, and the rest are aggregated. Nothing a site sends ends the coordinator.
+
+Optionally ``aggregation = "median"`` or ``"trimmed_mean"`` (with ``trim``, the fraction cut at
+each end, default 0.2) replaces the weighted mean of the parts that FedAvg, FedProx and FedSM's
+training rounds average (``global``, ``selector``) by the coordinate-wise median or trimmed
+mean of the sites' parts, which no single site can move far.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.errors import CancelledError, ConfigError, WeightsError
+
+if TYPE_CHECKING:
+    from engine.fl.methods import FederatedMethod, SiteUpdate, WeightSet
+
+log = logging.getLogger(__name__)
+
+#: Default bound of ``||update - reference|| / ||reference||`` per part.
+MAX_RELATIVE_UPDATE = 10.0
+#: Default largest sample count any site may claim.
+MAX_NUM_EXAMPLES = 10_000_000
+AGGREGATIONS = ("mean", "median", "trimmed_mean")
+#: Methods whose ``global`` and ``selector`` parts are a plain weighted mean of the sites' parts.
+_MEAN_METHODS = {"fedavg", "fedprox", "fedsm", "fedsm-extra"}
+_KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
+         "aggregation", "trim", "max_reply_mb"}
+
+
+class UpdateRejected(WeightsError):
+    """A site's update breaks a bound of :class:`RobustSettings`."""
+
+
+@dataclass(frozen=True)
+class RobustSettings:
+    """The ``[robust]`` table of ``federation.toml`` (every key optional)."""
+
+    max_relative_update: float = MAX_RELATIVE_UPDATE
+    norm_action: str = "reject"
+    num_examples: dict[str, int] = field(default_factory=dict)
+    num_examples_growth: float = 1.0
+    max_num_examples: int = MAX_NUM_EXAMPLES
+    aggregation: str = "mean"
+    trim: float = 0.2
+    #: largest reply a site may upload, MiB (0: twice the method's largest legitimate reply, at least 128 MiB)
+    max_reply_mb: float = 0.0
+
+    @classmethod
+    def from_dict(cls, table: Mapping[str, Any] | None, where: str = "[robust]") -> RobustSettings:
+        """Check and convert the table; :class:`ConfigError` naming the key on any mistake."""
+        table = dict(table or {})
+        unknown = sorted(set(table) - _KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(_KEYS)}")
+
+        def number(key: str, default: float, low: float, integer: bool = False) -> Any:
+            value = table.get(key, default)
+            kinds = (int,) if integer else (int, float)
+            if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value < low:
+                raise ConfigError(f"{where}: {key} = {value!r} must be a{'n integer' if integer else ' number'} "
+                                  f">= {low:g}")
+            return int(value) if integer else float(value)
+
+        action = table.get("norm_action", "reject")
+        if action not in ("reject", "clip"):
+            raise ConfigError(f"{where}: norm_action = {action!r} must be \"reject\" or \"clip\"")
+        aggregation = table.get("aggregation", "mean")
+        if aggregation not in AGGREGATIONS:
+            raise ConfigError(f"{where}: aggregation = {aggregation!r} must be one of {list(AGGREGATIONS)}")
+        declared = table.get("num_examples", {})
+        if not isinstance(declared, dict) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+                for k, v in declared.items()):
+            raise ConfigError(f"{where}: num_examples must be a table of site = positive integer, e.g. "
+                              "{site1 = 120, site2 = 80}")
+        trim = number("trim", 0.2, 0.0)
+        if trim >= 0.5:
+            raise ConfigError(f"{where}: trim = {trim} must be below 0.5 (the fraction cut at each end)")
+        return cls(max_relative_update=number("max_relative_update", MAX_RELATIVE_UPDATE, 1e-12),
+                   norm_action=action, num_examples=dict(declared),
+                   num_examples_growth=number("num_examples_growth", 1.0, 1.0),
+                   max_num_examples=number("max_num_examples", MAX_NUM_EXAMPLES, 1, integer=True),
+                   aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0))
+
+
+def _norm(weights: Mapping[str, torch.Tensor]) -> float:
+    total = 0.0
+    for tensor in weights.values():
+        if tensor.dtype.is_floating_point:
+            total += float(torch.linalg.vector_norm(tensor.detach(), dtype=torch.float64)) ** 2
+    return math.sqrt(total)
+
+
+def _change_norm(update: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> float:
+    total = 0.0
+    for key, ref in reference.items():
+        if ref.dtype.is_floating_point and key in update:
+            diff = update[key].detach().to(torch.float64) - ref.detach().to(torch.float64)
+            total += float(torch.linalg.vector_norm(diff)) ** 2
+    return math.sqrt(total)
+
+
+def _clipped(update: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+             factor: float) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in update.items():
+        ref = reference.get(key)
+        if ref is not None and ref.dtype.is_floating_point:
+            out[key] = (ref + (value - ref) * factor).to(value.dtype)
+        else:
+            out[key] = value
+    return out
+
+
+class UpdateScreen:
+    """Checks :class:`RobustSettings` on each site's update; remembers each site's first sample count.
+
+    Parameters
+    ----------
+    settings
+        The bounds.
+    report
+        Called with ``(site, message)`` for every rejected or clipped update (the coordinator
+        emits an ``error`` event).
+    """
+
+    def __init__(self, settings: RobustSettings | None = None,
+                 report: Callable[[str, str], None] | None = None) -> None:
+        self.settings = settings or RobustSettings()
+        self.report = report or (lambda site, message: log.warning("%s: %s", site, message))
+        self.first_count: dict[str, int] = {}
+
+    def count_bound(self, site: str) -> int:
+        """The largest ``num_examples`` accepted from ``site`` now."""
+        s = self.settings
+        if site in s.num_examples:
+            return min(s.num_examples[site], s.max_num_examples)
+        if site in self.first_count:
+            return min(int(self.first_count[site] * s.num_examples_growth), s.max_num_examples)
+        return s.max_num_examples
+
+    def screen(self, method: FederatedMethod, state: WeightSet, site: str, update: SiteUpdate) -> SiteUpdate:
+        """The update to aggregate (itself or a clipped copy); :class:`UpdateRejected` if it breaks a bound."""
+        s = self.settings
+        bound = self.count_bound(site)
+        if not isinstance(update.num_samples, int) or not 0 < update.num_samples <= bound:
+            raise UpdateRejected(f"update from {site} claims {update.num_samples} training samples, more than the "
+                                 f"{bound} allowed for it ([robust] num_examples / max_num_examples)")
+        reference = method.expected_update_shapes(state, site)
+        norms = {part: _norm(ref) for part, ref in reference.items()}
+        largest = max(norms.values(), default=0.0)
+        weights = dict(update.weights)
+        clipped = False
+        for part, ref in reference.items():
+            if part not in weights:
+                continue
+            scale = norms[part] if norms[part] > 0 else largest
+            if scale <= 0:
+                continue
+            ratio = _change_norm(weights[part], ref) / scale
+            if ratio <= s.max_relative_update:
+                continue
+            message = (f"the {part} update from {site} changes the model by {ratio:.3g} times its norm, above "
+                       f"[robust] max_relative_update = {s.max_relative_update:g}")
+            if s.norm_action == "reject" or not math.isfinite(ratio):
+                raise UpdateRejected(message)
+            weights[part] = _clipped(weights[part], ref, s.max_relative_update / ratio)
+            clipped = True
+            self.report(site, message + "; clipped to the bound")
+        self.first_count.setdefault(site, update.num_samples)
+        return replace(update, weights=weights) if clipped else update
+
+
+def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate],
+                          settings: RobustSettings | None = None) -> tuple[WeightSet | None, dict[str, str]]:
+    """Aggregate ``updates``; an update the method cannot aggregate is left out instead of ending the run.
+
+    Returns the new state (``None`` when no update could be aggregated) and a reason per site
+    left out. The order of ``updates`` is kept (sums in configured site order).
+    """
+    try:
+        return _aggregate(method, state, rnd, updates, settings), {}
+    except CancelledError:
+        raise
+    except Exception as exc:  # one malformed answer must never end the coordinator
+        log.warning("round %d: aggregation failed (%s: %s); checking each update alone", rnd, type(exc).__name__, exc)
+    left_out: dict[str, str] = {}
+    for site, update in updates.items():
+        try:
+            _aggregate(method, state, rnd, {site: update}, settings)
+        except CancelledError:
+            raise
+        except Exception as exc:
+            left_out[site] = (f"update rejected: the {method.name} aggregation of round {rnd} cannot use it "
+                              f"({type(exc).__name__}: {exc})")
+    kept = {site: u for site, u in updates.items() if site not in left_out}
+    if not kept:
+        return None, left_out
+    try:
+        return _aggregate(method, state, rnd, kept, settings), left_out
+    except CancelledError:
+        raise
+    except Exception as exc:  # updates that each aggregate alone but not together
+        for site in kept:
+            left_out[site] = f"update rejected: the updates of round {rnd} cannot be aggregated together ({exc})"
+        return None, left_out
+
+
+def _aggregate(method: FederatedMethod, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate],
+               settings: RobustSettings | None) -> WeightSet:
+    new = method.aggregate(state, rnd, updates)
+    if settings is None or settings.aggregation == "mean" or method.name not in _MEAN_METHODS:
+        return new
+    for part in ("global", "selector"):
+        parts = [u.weights[part] for u in updates.values() if part in u.weights]
+        if parts and len(parts) == len(updates) and part in new:
+            new[part] = coordinate_wise(parts, settings.aggregation, settings.trim)
+    return new
+
+
+def coordinate_wise(parts: list[Mapping[str, torch.Tensor]], how: str, trim: float = 0.2) -> dict[str, torch.Tensor]:
+    """Coordinate-wise ``"median"`` or ``"trimmed_mean"`` of the sites' weights (floating keys; others from the first).
+
+    The median of an even number of values is the mean of the two middle ones. The trimmed
+    mean drops ``floor(trim * K)`` values at each end of every coordinate (none for K < 3).
+    """
+    if not parts:
+        raise WeightsError("robust aggregation needs at least one update")
+    out = {}
+    k = len(parts)
+    cut = math.floor(trim * k) if k >= 3 else 0
+    for key, first in parts[0].items():
+        if not first.dtype.is_floating_point:
+            out[key] = first.clone()
+            continue
+        stacked = torch.stack([p[key].to(torch.float64) for p in parts])
+        ordered = torch.sort(stacked, dim=0).values
+        if how == "median":
+            value = ordered[(k - 1) // 2] if k % 2 else (ordered[k // 2 - 1] + ordered[k // 2]) / 2
+        elif how == "trimmed_mean":
+            value = ordered[cut:k - cut].mean(dim=0)
+        else:
+            raise ConfigError(f"unknown robust aggregation {how!r}; use one of {list(AGGREGATIONS)}")
+        out[key] = value.to(first.dtype)
+    return out

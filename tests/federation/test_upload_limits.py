@@ -1,0 +1,103 @@
+"""Bounds on uploads at the fleet listener: bytes in flight, objects and bytes per reply.
+
+``FleetOnly`` runs in a uvicorn server in a thread with an echo application in place of the
+SuperLink's (as in test_fleet_listener.py); requests are real HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from test_fleet_listener import EchoApp
+
+from engine.federation.flower.fleet_listener import FleetOnly
+from engine.federation.flower.processes import free_port
+from engine.federation.flower.upload_limits import MIN_REPLY_LIMIT, ReplyBytes, reply_limit_for
+
+
+@pytest.fixture
+def limited():
+    import uvicorn
+
+    app = EchoApp()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(FleetOnly(app, max_body=1000, max_inflight=1500, max_reply_bytes=2500),
+                                           host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the test listener did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", port, app
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _tree(root: str, children: list[str]):
+    from flwr.proto.message_pb2 import ObjectTree
+
+    return ObjectTree(object_id=root, children=[ObjectTree(object_id=c) for c in children])
+
+
+def _push_messages(trees) -> bytes:
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+
+    return PushMessagesRequest(message_object_trees=trees).SerializeToString()
+
+
+def _push_object(object_id: str, size: int) -> bytes:
+    from flwr.proto.message_pb2 import PushObjectRequest
+
+    return PushObjectRequest(object_id=object_id, object_content=b"w" * size).SerializeToString()
+
+
+def test_bytes_in_flight_are_bounded_and_the_excess_is_told_to_retry(limited):
+    url, port, app = limited
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+        # an upload that declares 900 bytes and sends only part of them holds 900 of the 1500 bytes
+        slow.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nhost: x\r\ncontent-length: 900\r\n\r\n" + b"a" * 10)
+        time.sleep(0.3)
+        busy = httpx.post(f"{url}/v1/fleet/pull-messages", content=b"b" * 700, timeout=10)
+        assert busy.status_code == 503  # Flower's clients retry 503 with back-off
+        assert httpx.post(f"{url}/v1/fleet/pull-messages", content=b"c" * 500, timeout=10).status_code == 200
+        slow.sendall(b"a" * 890)
+        assert slow.recv(4096).startswith(b"HTTP/1.1 200")
+    # once the slow upload is in, the budget is free again
+    assert httpx.post(f"{url}/v1/fleet/pull-messages", content=b"b" * 700, timeout=10).status_code == 200
+    assert [len(body) for _, _, body in app.seen] == [500, 900, 700]
+
+
+def test_a_reply_beyond_its_byte_limit_is_refused_object_by_object(limited):
+    url, _, app = limited
+    tree = _tree("r" * 64, ["a" * 64, "b" * 64, "c" * 64, "d" * 64])
+    assert httpx.post(f"{url}/v1/fleet/push-messages", content=_push_messages([tree])).status_code == 200
+    for oid in ("a", "b", "c"):  # 3 x ~810 bytes fit in 2500
+        assert httpx.post(f"{url}/v1/fleet/push-object", content=_push_object(oid * 64, 740)).status_code == 200
+    refused = httpx.post(f"{url}/v1/fleet/push-object", content=_push_object("d" * 64, 740))
+    assert refused.status_code == 413 and b"exceeds the coordinator's limit of 2500 bytes" in refused.content
+    assert len(app.seen) == 4  # the refused object never reached the SuperLink
+    # objects of no registered reply are left to Flower (which refuses objects it does not expect)
+    assert httpx.post(f"{url}/v1/fleet/push-object", content=_push_object("e" * 64, 740)).status_code == 200
+
+
+def test_a_tree_with_too_many_objects_is_refused_whole():
+    counter = ReplyBytes(max_reply_bytes=10**9, max_reply_objects=3)
+    assert counter.messages_pushed(_push_messages([_tree("r", ["a", "b"])])) is None
+    reason = counter.messages_pushed(_push_messages([_tree("s", ["a", "b", "c"])]))
+    assert reason is not None and "4 objects exceeds the limit of 3" in reason
+
+
+def test_the_coordinators_reply_limit_follows_the_method():
+    from engine.federation.spec import MethodSpec, build_method
+
+    spec = MethodSpec(method="fedsm", task="fundus", site_names=("s1", "s2"), rounds=1, image_size=32)
+    method = build_method(spec, "cpu")
+    limit = reply_limit_for(method, method.initial_state(), spec.site_names)
+    # global + personal U-Net (~6.5 MB each) and the VGG-11 selector (~37.5 MB): ~50 MB doubled, plus 16 MiB
+    assert 100 * 2**20 < limit < 150 * 2**20 and limit >= MIN_REPLY_LIMIT
+    assert limit < 600 * 10**6  # the 600 MB upload of issue 16 is refused
