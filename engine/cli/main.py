@@ -170,6 +170,8 @@ def _run(args: argparse.Namespace) -> int:
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "
                   f"routed to {', '.join(sorted(set(models)))})")
+        for item in summary.get("skipped", []):
+            print(f"skipped {item['input']}: {item['reason']}")
         print(f"routing written to {args.out / 'routing.json'}")
         return 0
     raise AssertionError(args.command)
