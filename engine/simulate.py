@@ -68,9 +68,15 @@ class SimulationConfig:
     lr_min_ratio: float = 0.01
     loss: str = "dice"
     keep_best: bool = True
+    #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
+    #: the bundle's ``extra["fundus_crop"]``) at inference; ``"none"``: photos used whole.
+    fundus_crop: str = "none"
 
     def __post_init__(self) -> None:
+        from engine.data.disc_crop import check_mode
+
         get_task(self.task)
+        check_mode(self.fundus_crop)
         if self.datalists:
             self.datalists = tuple(str(p) for p in self.datalists)
             self.sites = len(self.datalists)
@@ -164,7 +170,8 @@ class Simulation:
         from engine.data.site_data import load_site
 
         datalists = prepare_data(self.cfg, self.out_dir, self.progress)
-        self.sites = [load_site(p, self.task, self.cfg.image_size) for p in datalists]
+        self.sites = [load_site(p, self.task, self.cfg.image_size, fundus_crop=self.cfg.fundus_crop)
+                      for p in datalists]
         names = [s.name for s in self.sites]
         if len(set(names)) != len(names):
             raise ConfigError(f"site names must be unique, got {names}")
@@ -377,7 +384,7 @@ class Simulation:
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
             gamma=float(self.cfg.gamma),
             rounds=method.total_rounds,
-            val_dice=val_dice, extra={"seed": self.cfg.seed})
+            val_dice=val_dice, extra={"seed": self.cfg.seed, "fundus_crop": self.cfg.fundus_crop})
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
 
@@ -394,7 +401,8 @@ class Simulation:
             val_dice[site.name] = value if value is not None and np.isfinite(value) else None
         return single_model_bundle(self.task.name, name, weights, [s.name for s in self.sites], self.cfg.image_size,
                                    rounds=rounds, val_dice=val_dice,
-                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate"})
+                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate",
+                                          "fundus_crop": self.cfg.fundus_crop})
 
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         " one datalist per site (see 'fedsm datalist'); default: synthetic sites in OUT/data")
     p.add_argument("--allow-outside", action="store_true",
                    help="let datalists name files outside their own folder")
+    p.add_argument("--fundus-crop", choices=["none", "auto"], default="none",
+                   help="auto: crop full fundus photographs (dark corners) around the optic disc, at training and "
+                        "(recorded in the bundle) at inference, so crops and full photos can share a federation")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", type=Path, required=True)
 
@@ -153,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
                     selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
                     lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,
                     keep_best=args.keep_best,
-                    device=args.device, data_dir=data_dir, datalists=datalists)
+                    device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop)
         finally:
             progress.close()
         print((args.out / "report.md").read_text(encoding="utf-8"))

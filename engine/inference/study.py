@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.bundle.supermodel import file_sha256, load_bundle, read_metadata
+from engine.bundle.supermodel import BundleMetadata, file_sha256, load_bundle, read_metadata
+from engine.data.disc_crop import CropBox
 from engine.data.preprocess import (
     fundus_channels_to_label,
     normalise_rgb,
@@ -270,6 +271,16 @@ def _records(prediction: Prediction, model_names: list[str], prob_names: list[st
     return tuple(records)
 
 
+def _disc_box(study: Study, meta: BundleMetadata) -> CropBox | None:
+    """The disc-centred crop a photo gets under the bundle's ``extra["fundus_crop"]`` (``None``: whole photo)."""
+    from engine.data.disc_crop import CROP_MODES, disc_box
+
+    mode = meta.extra.get("fundus_crop", "none") if isinstance(meta.extra, dict) else "none"
+    if study.kind != "photo" or mode not in CROP_MODES:
+        return None
+    return disc_box(np.asarray(study.array, dtype=np.uint8), mode)
+
+
 def segment_with(
     loaded: LoadedBundle,
     study: Study,
@@ -290,12 +301,20 @@ def segment_with(
     if gamma is not None and meta.routing != "gamma":
         check_gamma(gamma)  # still refuse nonsense, even where argmax routing ignores it
 
+    images = study_images(task, study)
+    box = _disc_box(study, meta)
+    if box is not None:  # the bundle was trained on disc-centred crops of full photos (engine.data.disc_crop)
+        images = np.ascontiguousarray(images[(slice(None), slice(None), *box.slices())])
     prediction = predictor.predict(
-        study_images(task, study), gamma=gamma, batch_size=batch_size, force_model=forced,
+        images, gamma=gamma, batch_size=batch_size, force_model=forced,
         progress=progress, cancel=cancel,
     )
     if study.kind == "photo":
         label = masks_to_label_map(task, prediction.masks[0])
+        if box is not None:  # the crop's mask back into a full-size map, background outside the crop
+            full = np.zeros(np.asarray(study.array).shape[:2], dtype=label.dtype)
+            full[box.slices()] = label
+            label = full
     else:
         # (Z, L, X, Y) -> (L, Z, X, Y) -> (Z, X, Y) -> (X, Y, Z)
         label = slices_to_volume(masks_to_label_map(task, prediction.masks.transpose(1, 0, 2, 3)))
