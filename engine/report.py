@@ -32,16 +32,48 @@ def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str,
             "sent_per_site_round": sum(v["sent_mean"] for v in b.values()) / len(b),
         }
     if "fedsm" in out:
-        extra = 4 * (head_parameter_count("classic", num_sites) - head_parameter_count(cfg.selector_head, num_sites))
+        # the reference selector ships its Adam moments with it: the head counts three times
+        copies = 1 if getattr(cfg, "selector_calibration", "none") == "lda" else 3
+        extra = 4 * copies * (head_parameter_count("classic", num_sites)
+                              - head_parameter_count(cfg.selector_head, num_sites))
         if cfg.selector_head == "classic":
             extra = 0
         out["fedsm_classic_selector_head"] = {
             "received_per_site_round": out["fedsm"]["received_per_site_round"] + extra,
             "sent_per_site_round": out["fedsm"]["sent_per_site_round"] + extra,
-            "note": "FedSM payload with VGG-11's 25088-4096-4096 head instead of the pooled head; "
-                    "the reference implementation also ships the selector's Adam moments (x3)",
+            "note": "FedSM payload with VGG-11's 25088-4096-4096 head instead of the pooled head "
+                    "(with the reference selector, its Adam moments too: x3)",
         }
     return out
+
+
+def _selector_lines(sel: dict[str, Any]) -> list[str]:
+    """The selector and routing-guard analysis (:mod:`engine.selector_report`) as Markdown."""
+    unseen = sel.get("unseen_site")
+    lines = ["", f"### Selector ({sel.get('calibration', 'none')} calibration)"
+             + (f", {unseen} held out as unseen" if unseen else ""), "",
+             f"Expected calibration error on participating sites' test images {_fmt(sel['ece']['participating'])} "
+             f"(accuracy {_fmt(sel['ece']['accuracy'])}); median confidence seen "
+             f"{_fmt(sel['confidence']['seen'].get('quantiles', {}).get('median'))}"
+             + (f", unseen {_fmt(sel['confidence']['unseen'].get('quantiles', {}).get('median'))}"
+                if "unseen" in sel["confidence"] else "") + ".", "",
+             "| gamma | seen to global | seen to own site | seen to other site | unseen to global |",
+             "|---|---|---|---|---|"]
+    for row in sel["routing_per_gamma"]:
+        seen = row["seen"]
+        lines.append(f"| {row['gamma']:.2f} | {seen['global']:.2f} | {seen['own_site']:.2f} | "
+                     f"{seen['other_site']:.2f} | {_fmt(row['unseen']['global']) if 'unseen' in row else '-'} |")
+    dice = sel["dice"]
+    lines += ["", f"| mean Dice at gamma {dice['gamma']:.2f} | guard on | guard off | global alone |",
+              "|---|---|---|---|"]
+    for where in ("participating", "unseen"):
+        if dice.get(where):
+            d = dice[where]
+            lines.append(f"| {where} | {_fmt(d['guard_on'])} | {_fmt(d['guard_off'])} | {_fmt(d['global_only'])} |")
+    allowed = [s for s, g in sel.get("guard", {}).items() if g["personal_allowed"]]
+    lines += ["", "Routing guard: personalized models allowed for "
+              + (", ".join(allowed) if allowed else "no site") + "."]
+    return lines
 
 
 def _fmt(x: float | None) -> str:
@@ -103,6 +135,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Components (client average, mean Dice): global model alone "
                       f"{_fmt(comp['global_only']['client_average']['mean'])}, each site's personalized model on "
                       f"its own site {_fmt(comp['personal_oracle']['client_average']['mean'])}."]
+        if "selector" in extra:
+            lines += _selector_lines(extra["selector"])
     lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:

@@ -54,7 +54,7 @@ class SimulationConfig:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-5
+    selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
     prox_mu: float = 0.01
@@ -68,6 +68,12 @@ class SimulationConfig:
     lr_min_ratio: float = 0.01
     loss: str = "dice"
     keep_best: bool = True
+    selector_calibration: str = "none"
+    selector_warmup: int = 0
+    selector_epochs: int = 1
+    selector_bn: str = "running"
+    routing_guard: bool = True
+    holdout_site: str | None = None
     #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
     #: the bundle's ``extra["fundus_crop"]``) at inference; ``"none"``: photos used whole.
     fundus_crop: str = "none"
@@ -87,21 +93,33 @@ class SimulationConfig:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
+        from engine.fl.selector_training import check_calibration
+
+        check_calibration(self.selector_calibration)
+        training_sites = self.sites - (1 if self.holdout_site else 0)
+        if training_sites < 1:
+            raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
         if self.lam is None:
             # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
-            self.lam = max(DEFAULT_LAM[self.task], 1.0 / self.sites)
+            self.lam = max(DEFAULT_LAM[self.task], 1.0 / training_sites)
         if {"fedsm", "fedsm-extra"} & set(self.methods):
             from engine.fl.aggregation import check_lam
 
-            check_lam(self.lam, self.sites)
+            check_lam(self.lam, training_sites)
         if self.extra_rounds is None:
             self.extra_rounds = extra_rounds_default(self.rounds)
 
-    def training(self) -> Any:
+    def training(self, per_batch_selector: bool = False) -> Any:
+        """Local training settings; ``per_batch_selector`` for methods that keep the per-batch selector
+        (FedSM-extra, the personalization variants), whose default selector lr is the small one."""
         from engine.fl.local_training import LocalTrainingConfig
+        from engine.fl.selector_training import default_selector_lr
 
+        scheme = "lda" if per_batch_selector else self.selector_calibration
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                   selector_lr=self.selector_lr, selector_size=self.selector_size,
+                                   selector_lr=default_selector_lr(scheme, self.selector_lr),
+                                   selector_size=self.selector_size, selector_epochs=self.selector_epochs,
+                                   selector_bn=self.selector_bn,
                                    selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device,
                                    lr_schedule=self.lr_schedule, lr_min_ratio=self.lr_min_ratio, loss=self.loss)
 
@@ -159,6 +177,8 @@ class Simulation:
         self.cancel = cancel
         self.task: TaskSpec = get_task(cfg.task)
         self.sites: list[Any] = []
+        #: The site left out of training (``holdout_site``), evaluated as unseen; ``None`` without one.
+        self.holdout: Any = None
         #: Optional ``hook(method, round, state, runtimes)`` called after every aggregation (the
         #: benchmarks record per-round curves with it); ``None`` leaves every run untouched.
         self.round_hook: Callable[[Any, int, dict[str, Any], list[Any]], None] | None = None
@@ -175,6 +195,11 @@ class Simulation:
         names = [s.name for s in self.sites]
         if len(set(names)) != len(names):
             raise ConfigError(f"site names must be unique, got {names}")
+        if self.cfg.holdout_site is not None:
+            if self.cfg.holdout_site not in names:
+                raise ConfigError(f"--holdout-site {self.cfg.holdout_site!r} is not a site of this federation; "
+                                  f"choose one of {', '.join(names)}")
+            self.holdout = self.sites.pop(names.index(self.cfg.holdout_site))
 
     def _runtimes(self) -> list[Any]:
         from engine.fl.methods import SiteRuntime
@@ -230,10 +255,11 @@ class Simulation:
         if name == "fedprox":
             return m.FedProx(self.task, names, training, cfg.seed, cfg.rounds, mu=cfg.prox_mu)
         if name == "fedsm":
-            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma)
+            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
+                           selector_calibration=cfg.selector_calibration, selector_warmup=cfg.selector_warmup)
         if name == "fedsm-extra":
-            return m.FedSMExtra(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
-                                extra_rounds=cfg.extra_rounds)
+            return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
+                                lam=cfg.lam, gamma=cfg.gamma, extra_rounds=cfg.extra_rounds)
         return m.METHODS[name](self.task, names, training, cfg.seed, cfg.rounds)
 
     def run_method(self, name: str) -> MethodResult:
@@ -262,7 +288,8 @@ class Simulation:
             rounds, _ = self._round_summaries(records)
             zero = {"received_mean": 0.0, "sent_mean": 0.0, "received_total": 0.0, "sent_total": 0.0}
             return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds,
-                                {s.name: dict(zero) for s in self.sites}, **self._selection(keeper, method))
+                                {s.name: dict(zero) for s in self.sites}, self._unseen_dice(weights),
+                                **self._selection(keeper, method))
 
         method = self._build_method(name)
         runtimes = self._runtimes()
@@ -281,6 +308,7 @@ class Simulation:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
             extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
+            extra |= self._unseen_dice(state["global"])
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
                             extra, **self._selection(keeper, method))
@@ -374,8 +402,14 @@ class Simulation:
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
         from engine.bundle import BundleMetadata, SuperModelBundle
+        from engine.inference.guard import site_validation_from_state
 
         extra_method = method.name == "fedsm-extra"
+        guarded = not extra_method and "validation_dice" in state
+        details: dict[str, Any] = {"seed": self.cfg.seed, "fundus_crop": self.cfg.fundus_crop,
+                                   "selector_calibration": getattr(method, "selector_calibration", "lda")}
+        if "selector_calibration" in state:
+            details["selector_temperature"] = float(state["selector_calibration"]["temperature"][0])
         meta = BundleMetadata(
             task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
             image_size=self.cfg.image_size, selector_size=self.cfg.selector_size,
@@ -383,8 +417,9 @@ class Simulation:
             site_names=[s.name for s in self.sites], method=method.name,
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
             gamma=float(self.cfg.gamma),
-            rounds=method.total_rounds,
-            val_dice=val_dice, extra={"seed": self.cfg.seed, "fundus_crop": self.cfg.fundus_crop})
+            rounds=method.total_rounds, val_dice=val_dice,
+            site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
+            routing_guard=bool(self.cfg.routing_guard) and guarded, extra=details)
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
 
@@ -454,6 +489,7 @@ class Simulation:
             lambda k, x: segment_with(self.task, state[f"personal/{names[k]}"], x, self.cfg.device))
         extra = {
             "selector_accuracy": held_out_acc,
+            **({"selector": self._selector_analysis(predictor)} if method.name == "fedsm" else {}),
             "routing": routing,
             "gamma": self.cfg.gamma,
             "lam": self.cfg.lam,
@@ -463,6 +499,36 @@ class Simulation:
             "bundle": bundle,
         }
         return per_site, client_avg, pooled, extra
+
+    def _unseen_images(self) -> Any:
+        """All images of the held-out site (every split is unseen), ``None`` without one."""
+        from engine.selector_report import SiteImages
+
+        if self.holdout is None:
+            return None
+        parts = [self.holdout.train, self.holdout.validation, self.holdout.test]
+        offsets = np.cumsum([0] + [int(p.case_ids.max(initial=-1)) + 1 for p in parts])
+        return SiteImages(self.holdout.name, np.concatenate([p.images for p in parts]),
+                          np.concatenate([p.masks for p in parts]),
+                          np.concatenate([p.case_ids + o for p, o in zip(parts, offsets, strict=False)]))
+
+    def _selector_analysis(self, predictor: Any) -> dict[str, Any]:
+        """Selector confidence, calibration, routing per gamma and guard on/off Dice (:mod:`engine.selector_report`)."""
+        from engine.selector_report import SiteImages, selector_report
+
+        seen = [SiteImages(s.name, s.test.images, s.test.masks, s.test.case_ids) for s in self.sites]
+        return selector_report(predictor, seen, self._unseen_images(), self.cfg.gamma)
+
+    def _unseen_dice(self, weights: Any) -> dict[str, Any]:
+        """Dice of one model on the held-out site (``{}`` without one)."""
+        from engine.fl.evaluation import dice_per_case, segment_with
+
+        unseen = self._unseen_images()
+        if unseen is None:
+            return {}
+        masks = segment_with(self.task, weights, unseen.images, self.cfg.device)
+        return {"unseen": {"site": unseen.name,
+                           "dice": float(dice_per_case(masks, unseen.masks, unseen.case_ids).mean())}}
 
     # --- whole run -----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -511,6 +577,7 @@ class Simulation:
             "machine": _machine_info(self.cfg.device),
             "task": {"name": self.task.name, "label_names": list(self.task.label_names)},
             "sites": [_site_summary(s) for s in self.sites],
+            "holdout_site": _site_summary(self.holdout) if self.holdout is not None else None,
             "methods": {name: asdict(r) for name, r in results.items()},
             "supermodel": supermodel,
             "global_models": global_models,

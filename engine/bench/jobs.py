@@ -149,12 +149,14 @@ class BenchSimulation(Simulation):
 
         kind = name.removeprefix("fedsm-")
         if kind in PERSONALIZATIONS:
-            return FedSMPersonalized(self.task, [s.name for s in self.sites], self.cfg.training(), self.cfg.seed,
+            return FedSMPersonalized(self.task, [s.name for s in self.sites],
+                                     self.cfg.training(per_batch_selector=True), self.cfg.seed,
                                      self.cfg.rounds, personalization=kind, gamma=self.cfg.gamma)
         if name == "fedsm" and self.softpull_lam is not None:
             names = [s.name for s in self.sites]
             method = FedSM(self.task, names, self.cfg.training(), self.cfg.seed, self.cfg.rounds,
-                           lam=effective_lam(self.softpull_lam, len(names)), gamma=self.cfg.gamma)
+                           lam=effective_lam(self.softpull_lam, len(names)), gamma=self.cfg.gamma,
+                           selector_calibration=self.cfg.selector_calibration)
             method.lam = self.softpull_lam
             return method
         return super()._build_method(name)

@@ -249,7 +249,7 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
     """Bytes per site per round from the methods' real payloads (fundus U-Net, pooled selector head)."""
     from engine.federation.inprocess import weightset_bytes
     from engine.fl.local_training import LocalTrainingConfig
-    from engine.fl.methods import FedAvg, FedSM, FedSMExtra
+    from engine.fl.methods import OPTIM_PART, FedAvg, FedSM, FedSMExtra
     from engine.models.selector import head_parameter_count
     from engine.tasks import FUNDUS
 
@@ -264,7 +264,9 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
     # the update carries the same three networks back (shapes checked by validate_update)
     sm_up = weightset_bytes(fedsm.expected_update_shapes(state, names[0]))
     head_delta = 4 * (head_parameter_count("classic", sites) - head_parameter_count("gap", sites))
-    classic = sm_down + head_delta
+    # the reference-trained selector travels with its two Adam moments, each the size of its parameters
+    moments = 2 if OPTIM_PART in state else 0
+    classic = sm_down + head_delta * (1 + moments)
     extra_state = extra.initial_state()
     extra_sel_down = weightset_bytes(extra.site_instructions(extra_state, 2, names[0]).weights)
     return {
@@ -276,6 +278,7 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
         "fedsm_classic_head_bytes_each_way": classic,
         "gap_over_classic": sm_down / classic,
         "selector_gap_bytes": weightset_bytes({"s": state["selector"]}),
+        "selector_optimizer_bytes": weightset_bytes({"o": state[OPTIM_PART]}) if moments else 0,
         "selector_classic_bytes": weightset_bytes({"s": state["selector"]}) + head_delta,
         "fedsm_extra_selector_round_bytes_down": extra_sel_down,
         "note": "raw float32 tensor bytes, no framing or compression; the same numbers every run",

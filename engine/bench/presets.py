@@ -82,7 +82,7 @@ class BenchPreset:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-5
+    selector_lr: float | None = None  # None: 1e-3 for FedSM's reference selector, 1e-5 per-batch
     selector_size: int = 32
     gamma: float = 0.6
     prox_mu: float = 0.01

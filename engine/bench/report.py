@@ -477,7 +477,8 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         f"{', '.join(map(str, preset.analysis_seeds))}; data seed {preset.data_seed} (the same synthetic data for "
         "every training seed; the seed changes initialisation and batch order).",
         f"- Training: {preset.epochs} local epoch(s) per round, batch {preset.batch_size}, Adam lr {preset.lr}, "
-        f"selector lr {preset.selector_lr} on {preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
+        f"selector lr {preset.selector_lr or 'default (1e-3 reference scheme, 1e-5 per-batch)'} on "
+        f"{preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
         f"{preset.prox_mu}; U-Net lr schedule {preset.lr_schedule}"
         + (f" (down to {preset.lr_min_ratio} x lr)" if preset.lr_schedule == "cosine" else "")
         + f", loss {preset.loss}; "

@@ -119,6 +119,14 @@ class BundleMetadata:
         Federated rounds trained.
     val_dice
         Per-site validation Dice of the routed super model (``None`` where not measured).
+    site_validation
+        Per site, the validation Dice its site measured for the final global model and for its
+        own final personalized model: ``{"global": d, "personal": d}`` (either may be ``None``).
+        Empty in bundles written before the routing guard existed.
+    routing_guard
+        Whether inference routes to a site's personalized model only where that model beat the
+        global one in ``site_validation`` (see :mod:`engine.inference.guard`); ``False`` in
+        bundles written before the guard existed, so they route as they always did.
     created
         Creation time, ISO 8601 UTC.
     engine_version
@@ -143,6 +151,8 @@ class BundleMetadata:
     gamma: float = 0.5
     rounds: int = 0
     val_dice: dict[str, float | None] = field(default_factory=dict)
+    site_validation: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    routing_guard: bool = False
     created: str = field(default_factory=_utc_now)
     engine_version: str = engine.__version__
     extra: dict[str, Any] = field(default_factory=dict)
@@ -153,6 +163,7 @@ class BundleMetadata:
         self.label_names = list(self.label_names)
         self.site_names = list(self.site_names)
         self.val_dice = dict(self.val_dice)
+        self.site_validation = {k: dict(v) if isinstance(v, dict) else v for k, v in dict(self.site_validation).items()}
         self.extra = dict(self.extra)
         if not self.normalisation:
             self.normalisation = get_task(self.task).normalisation
@@ -245,6 +256,18 @@ class BundleMetadata:
                 raise ConfigError(f"val_dice names site {site!r}, not one of site_names {self.site_names}")
             if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
                 raise ConfigError(f"val_dice[{site!r}] must be a number in [0, 1] or null, got {dice!r}")
+        if not isinstance(self.routing_guard, bool):
+            raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
+        for site, scores in self.site_validation.items():
+            if site not in self.site_names:
+                raise ConfigError(f"site_validation names site {site!r}, not one of site_names {self.site_names}")
+            if not isinstance(scores, dict) or not set(scores) <= {"global", "personal"}:
+                raise ConfigError(f"site_validation[{site!r}] must map 'global' and 'personal' to Dice values, "
+                                  f"got {scores!r}")
+            for which, dice in scores.items():
+                if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
+                    raise ConfigError(f"site_validation[{site!r}][{which!r}] must be a number in [0, 1] or null, "
+                                      f"got {dice!r}")
         if not isinstance(self.created, str) or not isinstance(self.engine_version, str):
             raise ConfigError("created and engine_version must be strings")
 

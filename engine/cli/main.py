@@ -58,7 +58,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--selector-lr", type=float, default=1e-5)
+    p.add_argument("--selector-lr", type=float, default=None,
+                   help="selector Adam lr (default 1e-3, the paper's; 1e-5 with --selector-calibration lda)")
+    p.add_argument("--selector-calibration", choices=["none", "temperature", "lda"], default="none",
+                   help="finish the selector after training: none (reference training alone), temperature "
+                        "(temperature scaling from the sites' validation NLL sums) or lda (the older per-batch "
+                        "selector with an LDA last layer; routes unseen sites to a site model, see docs)")
+    p.add_argument("--selector-warmup", type=int, default=0, metavar="ROUNDS",
+                   help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
+    p.add_argument("--selector-epochs", type=int, default=1,
+                   help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
+    p.add_argument("--selector-bn", choices=["running", "batch"], default="running",
+                   help="FedSM reference selector's BatchNorm during local training: running (federation) "
+                        "statistics, or each batch's as the reference's train mode (default running)")
+    p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
+                   help="route to a personalized model only where it beat the global model on its site's "
+                        "validation data (default on)")
+    p.add_argument("--holdout-site", default=None, metavar="NAME",
+                   help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
     p.add_argument("--prox-mu", type=float, default=0.01)
@@ -156,6 +173,9 @@ def _run(args: argparse.Namespace) -> int:
                     selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
                     lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,
                     keep_best=args.keep_best,
+                    selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
+                    selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
+                    routing_guard=args.routing_guard, holdout_site=args.holdout_site,
                     device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop)
         finally:
             progress.close()

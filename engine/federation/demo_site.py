@@ -148,7 +148,7 @@ def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_siz
     names = [s.name for s in loaded]
     if site not in names:
         raise FedSMError(f"site {site!r} is not in the demo federation; choose one of {', '.join(names)}")
-    runtimes = [SiteRuntime(s.name, i, s.train) for i, s in enumerate(loaded)]
+    runtimes = [SiteRuntime(s.name, i, s.train, validation=s.validation) for i, s in enumerate(loaded)]
     watched = runtimes[names.index(site)]
     training = LocalTrainingConfig(epochs=epochs, batch_size=batch_size, device="cpu")
     method = FedSM(spec, names, training, seed, rounds, lam=max(0.7, 1.0 / len(names)), gamma=0.6)

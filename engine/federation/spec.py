@@ -39,12 +39,16 @@ class MethodSpec:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-5
+    selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
     lr_schedule: str = "constant"
     lr_min_ratio: float = 0.01
     loss: str = "dice"
+    selector_calibration: str = "none"
+    selector_warmup: int = 0
+    selector_epochs: int = 1
+    routing_guard: bool = True
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
@@ -66,6 +70,11 @@ class MethodSpec:
         for name in ("rounds", "epochs", "batch_size", "image_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from engine.fl.selector_training import check_calibration
+
+        check_calibration(self.selector_calibration)
+        if not isinstance(self.routing_guard, bool):
+            raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
         if self.selector_head not in ("gap", "classic"):
             raise ConfigError(f"selector_head must be 'gap' or 'classic', got {self.selector_head!r}")
         # the same defaults as `fedsm simulate`: the paper's lam, raised to 1/K for few sites
@@ -116,7 +125,7 @@ class MethodSpec:
     def total_rounds(self) -> int:
         """Communication rounds the method runs (FedSM adds a calibration round, FedSM-extra more)."""
         if self.method == "fedsm":
-            return self.rounds + 1
+            return int(self.selector_warmup) + self.rounds + 1
         if self.method == "fedsm-extra":
             return self.rounds + int(self.extra_rounds or 0) + 1
         return self.rounds
@@ -129,18 +138,23 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
     from engine.fl import methods as m
     from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.selector_training import default_selector_lr
     from engine.tasks import get_task
 
     task = get_task(spec.task)
     names = list(spec.site_names)
+    # FedSM-extra keeps the per-batch selector (and its small lr); FedSM's depends on the calibration
+    scheme = "lda" if spec.method == "fedsm-extra" else spec.selector_calibration
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
-                                   selector_lr=spec.selector_lr, selector_size=spec.selector_size,
+                                   selector_lr=default_selector_lr(scheme, spec.selector_lr),
+                                   selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
                                    selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
     if spec.method == "fedsm":
-        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma)
+        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma,
+                       selector_calibration=spec.selector_calibration, selector_warmup=int(spec.selector_warmup))
     if spec.method == "fedsm-extra":
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                             gamma=spec.gamma, extra_rounds=int(spec.extra_rounds or 1))

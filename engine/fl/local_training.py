@@ -14,14 +14,15 @@ Choices that matter:
   recognise a site's acquisition style (colour, brightness, contrast, field of view), and a
   VGG-11 step at full resolution would cost ~8x a U-Net step.
 - Single-label drift: each site's selector data carries one label, so a selector trained
-  freely at one site learns "always my site". Two measures keep it routing (see
-  ``docs/architecture.md``): the selector's BatchNorm layers normalise with their running
-  statistics during local training instead of the single-site batch statistics (batch
-  statistics of one site would subtract exactly the site's colour cast the selector must
-  see, and make local training and inference disagree), and the selector's step size is
-  100x smaller than the U-Nets' so single-label updates do not erode the backbone's site
-  features; the last layer is then calibrated in closed form
-  (:mod:`engine.fl.selector_calibration`).
+  freely at one site learns "always my site". By default FedSM trains it as the paper's
+  reference does (:mod:`engine.fl.selector_training`: one Adam step per round from the
+  gradient summed over the local pass, Adam moments averaged on the server). The older
+  per-batch scheme (``--selector-calibration lda``) takes a step per batch at a 100x smaller
+  step size and calibrates the last layer in closed form afterwards
+  (:mod:`engine.fl.selector_calibration`). In both, the selector's BatchNorm layers normalise
+  with their running statistics during local training instead of the single-site batch
+  statistics (batch statistics of one site would subtract exactly the site's colour cast the
+  selector must see, and make local training and inference disagree).
 """
 
 from __future__ import annotations
@@ -108,11 +109,19 @@ class LocalTrainingConfig:
     lr
         Adam learning rate of the segmentation networks.
     selector_lr
-        Adam learning rate of the model selector.
+        Adam learning rate of the model selector (the paper's 1e-3 for the reference scheme;
+        the per-batch ``lda`` scheme is run with 1e-5).
     selector_size
         Side in pixels of the images the selector sees.
     selector_head
         ``"gap"`` (default) or ``"classic"`` (VGG's 25088-4096-4096 head, comparison only).
+    selector_epochs
+        Reference scheme: passes over the site's images per round, one Adam step after each
+        (the reference's ``fedsm_select_epochs``, default 1: one step per round).
+    selector_bn
+        Reference scheme: ``"running"`` (default) normalises the selector's BatchNorm layers with
+        their running (federation-averaged) statistics during local training; ``"batch"`` with
+        each batch's own statistics, as the reference's ``train()`` mode does.
     prox_mu
         FedProx proximal coefficient (0 = off).
     lr_schedule
@@ -133,10 +142,12 @@ class LocalTrainingConfig:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-5
+    selector_lr: float = 1e-3
     selector_size: int = 32
     selector_head: str = "gap"
     selector_optimizer: str = "adam"
+    selector_epochs: int = 1
+    selector_bn: str = "running"
     prox_mu: float = 0.0
     device: str = "auto"
     lr_schedule: str = "constant"
@@ -150,6 +161,10 @@ class LocalTrainingConfig:
             raise ConfigError(f"lr_min_ratio must lie in (0, 1], got {self.lr_min_ratio}")
         if self.loss not in SEGMENTATION_LOSSES:
             raise ConfigError(f"unknown loss {self.loss!r}; choose from {', '.join(SEGMENTATION_LOSSES)}")
+        if self.selector_bn not in ("running", "batch"):
+            raise ConfigError(f"selector_bn must be 'running' or 'batch', got {self.selector_bn!r}")
+        if self.selector_epochs < 1:
+            raise ConfigError(f"selector_epochs must be >= 1, got {self.selector_epochs}")
         if self.epochs < 1 or self.batch_size < 1:
             raise ConfigError(f"epochs and batch_size must be >= 1, got {self.epochs} and {self.batch_size}")
         if self.lr <= 0 or self.selector_lr <= 0:
@@ -461,11 +476,15 @@ def train_fedsm_round(
     cfg: LocalTrainingConfig,
     seed: int,
     ctx: RoundContext,
+    train_selector: bool = True,
 ) -> tuple[Weights, Weights, Weights, dict[str, float]]:
     """One FedSM local round (paper Algorithm 1, lines 6-11).
 
     Each batch takes one Adam step on the site's copy of the global model, one on its
-    personalized model, and one on the selector with label ``site_index`` (0-based).
+    personalized model, and (``train_selector``, the per-batch scheme of ``--selector-calibration
+    lda``) one on the selector with label ``site_index`` (0-based). With ``train_selector=False``
+    the selector is returned unchanged: the reference scheme trains it separately
+    (:func:`engine.fl.selector_training.reference_selector_round`).
 
     Returns
     -------
@@ -478,30 +497,31 @@ def train_fedsm_round(
     torch.manual_seed(seed)
     glob = _segmentation_learner(task, global_weights, cfg.lr, device)
     pers = _segmentation_learner(task, personal_weights, cfg.lr, device)
-    sel = _selector_learner(task, selector_weights, num_sites, cfg, device)
+    sel = _selector_learner(task, selector_weights, num_sites, cfg, device) if train_selector else None
     dice = _dice_loss(cfg.loss)
-    small = selector_inputs(data.images, cfg.selector_size)
+    small = selector_inputs(data.images, cfg.selector_size) if sel is not None else data.images
 
     batches = batch_order(len(data.images), cfg.batch_size, cfg.epochs, seed)
-    sums = {"global": 0.0, "personal": 0.0, "selector": 0.0}
+    sums = {"global": 0.0, "personal": 0.0} | ({"selector": 0.0} if sel is not None else {})
     for i, idx in enumerate(batches, start=1):
         ctx.check_cancel()
         x = _to_device(data.images, idx, device)
         y = _to_device(data.masks, idx, device)
-        xs = _to_device(small, idx, device)
-        label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
         losses = {
             "global": glob.step(lambda net, x=x, y=y: dice(net(x), y)),
             "personal": pers.step(lambda net, x=x, y=y: dice(net(x), y)),
-            "selector": sel.step(lambda net, xs=xs, label=label: F.cross_entropy(net(xs), label)),
         }
+        if sel is not None:
+            xs = _to_device(small, idx, device)
+            label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
+            losses["selector"] = sel.step(lambda net, xs=xs, label=label: F.cross_entropy(net(xs), label))
         for k, v in losses.items():
             sums[k] += v
         ctx.report(i, len(batches), losses)
     n = max(len(batches), 1)
     metrics = {f"loss_{k}": v / n for k, v in sums.items()} | {"steps": float(len(batches))}
-    return (clone_weights(glob.net.state_dict()), clone_weights(pers.net.state_dict()),
-            clone_weights(sel.net.state_dict()), metrics)
+    selector_out = clone_weights(sel.net.state_dict()) if sel is not None else clone_weights(selector_weights)
+    return clone_weights(glob.net.state_dict()), clone_weights(pers.net.state_dict()), selector_out, metrics
 
 
 def train_selector_round(

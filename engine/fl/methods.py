@@ -43,6 +43,16 @@ from engine.fl.selector_calibration import (
     final_layer_keys,
     penultimate_features,
 )
+from engine.fl.selector_training import (
+    apply_temperature,
+    check_calibration,
+    check_temperature_statistics,
+    fit_temperature,
+    initial_optimizer_state,
+    reference_selector_round,
+    selector_logits,
+    temperature_statistics,
+)
 from engine.fl.weights import Weights, all_finite, check_compatible, model_weights, subtract
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec
@@ -52,6 +62,10 @@ if TYPE_CHECKING:
 
 #: Server state and payloads: part name -> weight dict.
 WeightSet = dict[str, Weights]
+#: Payload part of the selector's Adam state (reference scheme).
+OPTIM_PART = "selector_optim"
+#: Payload part of a site's temperature statistics (last round, ``selector_calibration="temperature"``).
+TEMPERATURE_PART = "selector_temperature"
 
 
 def derived_seed(*parts: object) -> int:
@@ -333,9 +347,24 @@ class LocalOnly(FederatedMethod):
 class FedSM(FederatedMethod):
     """FedSM (Xu et al., CVPR 2022): global model, SoftPull personalized models, model selector.
 
-    Rounds ``1..rounds`` are the paper's Algorithm 1. One more round calibrates the selector's
-    last layer from the sites' feature statistics (:mod:`engine.fl.selector_calibration`):
-    without it the single-label selector does not route.
+    Rounds ``1..rounds`` are the paper's Algorithm 1. The selector is trained as the paper's
+    reference trains it (:mod:`engine.fl.selector_training`): per round, one Adam step per site
+    from the cross-entropy gradient summed over its local pass, the Adam moments averaged on
+    the server with the weights (server state ``"selector_optim"``). One more round finishes the
+    super model: every site evaluates the final global model and its final personalized model
+    on its validation images and reports both Dice values (metrics ``val_dice_global`` and
+    ``val_dice_personal``; the server keeps them in state ``"validation_dice"`` for the routing
+    guard, :mod:`engine.inference.guard`), and, depending on ``selector_calibration``, sends
+    selector statistics:
+
+    - ``"none"`` (default): nothing more;
+    - ``"temperature"``: NLL sums per grid temperature on its validation images; the server
+      folds the best temperature into the selector's last layer;
+    - ``"lda"``: the older scheme. The selector takes a step per batch (the caller gives it a
+      small lr, 1e-5), and the last round sends class feature statistics from which the server
+      fits the last layer by LDA (:mod:`engine.fl.selector_calibration`). Measured failure: its
+      posteriors are ~1.0 on seen AND unseen sites, so gamma cannot send unseen images to the
+      global model (``docs/architecture.md``).
 
     Parameters
     ----------
@@ -344,18 +373,38 @@ class FedSM(FederatedMethod):
         check, while each round's SoftPull pulls among the sites that answered.
     gamma
         Routing threshold recorded for inference (Algorithm 2, strict ``>``).
+    selector_calibration
+        ``"none"``, ``"temperature"`` or ``"lda"`` (see above).
+    selector_warmup
+        Selector-only rounds before Algorithm 1 (reference scheme only): the selector gets one
+        Adam step per round, so short runs (tens of rounds, where the paper trains hundreds)
+        give it more steps this way at a fraction of a full round's cost; the segmentation
+        models are neither sent nor trained in them. 0 (default) is the paper's schedule.
     """
 
     name = "fedsm"
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6) -> None:
+                 seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
+                 selector_calibration: str = "none", selector_warmup: int = 0) -> None:
         super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
         if not 0.0 <= gamma <= 1.0:
             raise ConfigError(f"gamma={gamma} must lie in [0, 1]")
         self.lam = lam
         self.gamma = gamma
+        self.selector_calibration = check_calibration(selector_calibration)
+        if isinstance(selector_warmup, bool) or not isinstance(selector_warmup, int) or selector_warmup < 0:
+            raise ConfigError(f"selector_warmup must be a whole number >= 0, got {selector_warmup!r}")
+        if selector_warmup and not self.reference_selector:
+            raise ConfigError("selector warm-up rounds need the reference selector; drop --selector-warmup or "
+                              "choose --selector-calibration none or temperature")
+        self.selector_warmup = selector_warmup
+
+    @property
+    def reference_selector(self) -> bool:
+        """Whether the selector trains with the reference scheme (all calibrations but ``lda``)."""
+        return self.selector_calibration != "lda"
 
     @property
     def num_selector_classes(self) -> int:
@@ -363,51 +412,95 @@ class FedSM(FederatedMethod):
 
     @property
     def total_rounds(self) -> int:
-        return self.rounds + 1
+        return self.selector_warmup + self.rounds + 1
 
     def phase(self, rnd: int) -> str:
-        """``"train"`` (Algorithm 1) or ``"calibrate"`` (selector statistics, last round)."""
-        return "calibrate" if rnd == self.total_rounds else "train"
+        """``"selector"`` (warm-up), ``"train"`` (Algorithm 1) or ``"calibrate"`` (validation Dice and
+        selector statistics, last round)."""
+        if rnd == self.total_rounds:
+            return "calibrate"
+        return "selector" if rnd <= self.selector_warmup else "train"
 
     def initial_state(self) -> WeightSet:
         init = self._initial_segmentation()
         state: WeightSet = {"global": init, "selector": self._initial_selector(self.num_selector_classes)}
         state |= {f"personal/{s}": init for s in self.site_names}
+        if self.reference_selector:
+            state[OPTIM_PART] = initial_optimizer_state(self._selector_template())
         return state
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        if self.phase(rnd) == "calibrate":
-            return SiteInstructions(rnd, {"selector": state["selector"]}, {"phase": "calibrate"})
-        return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"],
-                                      "selector": state["selector"]}, {"phase": "train"})
+        phase = self.phase(rnd)
+        if phase == "calibrate":
+            return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"],
+                                          "selector": state["selector"]},
+                                    {"phase": "calibrate", "calibration": self.selector_calibration})
+        if phase == "selector":
+            return SiteInstructions(rnd, {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]},
+                                    {"phase": "selector"})
+        weights = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+        if self.reference_selector:
+            weights[OPTIM_PART] = state[OPTIM_PART]
+        return SiteInstructions(rnd, weights, {"phase": "train"})
 
     def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
         parts = set(update.weights)
-        if parts == {"selector_stats"}:
-            check_statistics(update.weights["selector_stats"], self.num_selector_classes,
-                             f"selector statistics from {site}")
+        if parts <= {"selector_stats", TEMPERATURE_PART}:  # the last round's answer
+            if "selector_stats" in parts:
+                check_statistics(update.weights["selector_stats"], self.num_selector_classes,
+                                 f"selector statistics from {site}")
+            if TEMPERATURE_PART in parts:
+                check_temperature_statistics(update.weights[TEMPERATURE_PART], f"temperature statistics from {site}")
+            check_validation_metrics(update.metrics, f"validation Dice from {site}")
+            if update.num_samples <= 0:
+                raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
+        elif parts == {"selector", OPTIM_PART}:  # a warm-up round's answer
+            check_compatible(state["selector"], update.weights["selector"], f"selector update from {site}")
+            check_compatible(state[OPTIM_PART], update.weights[OPTIM_PART], f"selector optimizer state from {site}")
+            if update.num_samples <= 0:
+                raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
         else:
             super().validate_update(state, site, update)
 
     def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        return {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+        out = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+        if self.reference_selector:
+            out[OPTIM_PART] = state[OPTIM_PART]
+        return out
 
     def _calibrate(self, state: WeightSet, updates: Mapping[str, SiteUpdate]) -> WeightSet:
         new = dict(state)
-        stats = add_statistics([u.weights["selector_stats"] for u in updates.values()])
         weight_key, bias_key = final_layer_keys(self._selector_template())
-        new["selector"] = calibrated_selector(state["selector"], stats, weight_key, bias_key)
+        if self.selector_calibration == "lda":
+            stats = add_statistics([u.weights["selector_stats"] for u in updates.values()])
+            new["selector"] = calibrated_selector(state["selector"], stats, weight_key, bias_key)
+        elif self.selector_calibration == "temperature":
+            temperature = fit_temperature([u.weights[TEMPERATURE_PART] for u in updates.values()])
+            new["selector"] = apply_temperature(state["selector"], weight_key, bias_key, temperature)
+            new["selector_calibration"] = {"temperature": torch.tensor([temperature], dtype=torch.float64)}
+        dice = {f"{site}.{which}": torch.tensor([u.metrics[f"val_dice_{which}"]], dtype=torch.float64)
+                for site, u in updates.items() for which in ("global", "personal")
+                if f"val_dice_{which}" in u.metrics}
+        if dice:
+            new["validation_dice"] = {**state.get("validation_dice", {}), **dice}
         return new
 
     def _selector_template(self) -> Any:
         return build_selector(self.task.in_channels, self.num_selector_classes, self.training.selector_head)  # type: ignore[arg-type]
 
     def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        if self.phase(rnd) == "calibrate":
+        phase = self.phase(rnd)
+        if phase == "calibrate":
             return self._calibrate(state, updates)
         new = dict(state)
-        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
         new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
+        if phase == "selector":
+            new[OPTIM_PART] = fedavg([(u.weights[OPTIM_PART], u.num_samples) for u in updates.values()])
+            return new
+        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
+        if self.reference_selector:
+            # the reference averages Adam's moments with the same weights as the selector itself
+            new[OPTIM_PART] = fedavg([(u.weights[OPTIM_PART], u.num_samples) for u in updates.values()])
         pulled = soft_pull({s: u.weights["personal"] for s, u in updates.items()}, self.lam)
         for site, weights in pulled.items():
             new[f"personal/{site}"] = weights
@@ -419,16 +512,74 @@ class FedSM(FederatedMethod):
                                     site.train.images, labels, self.training)
         return SiteUpdate({"selector_stats": stats}, len(site.train.images), {})
 
+    def _final_update(self, instructions: SiteInstructions, site: SiteRuntime) -> SiteUpdate:
+        """The last round at a site: validation Dice of both models, and the calibration's statistics."""
+        w = instructions.weights
+        n = len(site.train.images)
+        metrics = site_validation_dice(self.task, w, site, self.training)
+        parts: WeightSet = {}
+        if self.selector_calibration == "lda":
+            parts = self._statistics_update(instructions, site, np.full(n, site.index)).weights
+        elif self.selector_calibration == "temperature":
+            val = site.validation
+            images = val.images if val is not None and len(val.images) else site.train.images
+            logits = selector_logits(self.task, w["selector"], self.num_selector_classes, images, self.training)
+            parts = {TEMPERATURE_PART: temperature_statistics(logits, np.full(len(images), site.index))}
+        return SiteUpdate(parts, n, metrics)
+
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        if self.phase(instructions.round) == "calibrate":
-            return self._statistics_update(instructions, site, np.full(len(site.train.images), site.index))
+        phase = self.phase(instructions.round)
+        if phase == "calibrate":
+            return self._final_update(instructions, site)
         ctx = self._context(instructions.round, site, progress, cancel)
         w = instructions.weights
+        seed = self._site_seed(instructions.round, site)
+        if phase == "selector":
+            sel, optim, sel_metrics = reference_selector_round(
+                self.task, w["selector"], w[OPTIM_PART], np.full(len(site.train.images), site.index),
+                self.num_selector_classes, site.train.images, self.training, derived_seed(seed, "selector"), ctx)
+            return SiteUpdate({"selector": sel, OPTIM_PART: optim}, len(site.train.images), sel_metrics)
         glob, pers, sel, metrics = train_fedsm_round(
             self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
-            site.train, self.round_training(instructions.round), self._site_seed(instructions.round, site), ctx)
-        return SiteUpdate({"global": glob, "personal": pers, "selector": sel}, len(site.train.images), metrics)
+            site.train, self.round_training(instructions.round), seed, ctx, train_selector=not self.reference_selector)
+        parts = {"global": glob, "personal": pers, "selector": sel}
+        if self.reference_selector:
+            labels = np.full(len(site.train.images), site.index)
+            sel, optim, sel_metrics = reference_selector_round(
+                self.task, w["selector"], w[OPTIM_PART], labels, self.num_selector_classes, site.train.images,
+                self.training, derived_seed(seed, "selector"), ctx)
+            parts |= {"selector": sel, OPTIM_PART: optim}
+            metrics |= sel_metrics
+        return SiteUpdate(parts, len(site.train.images), metrics)
+
+
+def site_validation_dice(task: TaskSpec, weights: Mapping[str, Weights], site: SiteRuntime,
+                         training: LocalTrainingConfig) -> dict[str, float]:
+    """Mean validation Dice of the received global and personalized models at ``site``.
+
+    ``{}`` when the site has no validation images (the guard then routes its images to global).
+    """
+    from engine.fl.evaluation import dice_per_case, segment_with
+
+    val = site.validation
+    if val is None or not len(val.images):
+        return {}
+    out = {}
+    for which, key in (("global", "global"), ("personal", "personal")):
+        if key in weights:
+            masks = segment_with(task, weights[key], val.images, training.device)
+            out[f"val_dice_{which}"] = float(np.mean(dice_per_case(masks, val.masks, val.case_ids)))
+    return out
+
+
+def check_validation_metrics(metrics: Mapping[str, float], what: str) -> None:
+    """Reject validation Dice values that are not numbers in [0, 1]."""
+    for key in ("val_dice_global", "val_dice_personal"):
+        if key in metrics:
+            value = metrics[key]
+            if not isinstance(value, int | float) or not np.isfinite(value) or not 0.0 <= value <= 1.0:
+                raise WeightsError(f"{what}: {key} is {value!r}, expected a number in [0, 1]")
 
 
 class FedSMExtra(FedSM):
@@ -447,7 +598,8 @@ class FedSMExtra(FedSM):
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
                  extra_rounds: int = 1) -> None:
-        super().__init__(task, site_names, training, seed, rounds, lam, gamma)
+        # FedSM-extra keeps the per-batch selector and the LDA last layer (its own baseline)
+        super().__init__(task, site_names, training, seed, rounds, lam, gamma, selector_calibration="lda")
         if extra_rounds < 1:
             raise ConfigError(f"FedSM-extra needs extra_rounds >= 1, got {extra_rounds}")
         self.extra_rounds = extra_rounds
@@ -564,7 +716,7 @@ class FedSMPersonalized(FedSM):
         if personalization not in PERSONALIZATIONS:
             raise ConfigError(f"unknown personalization {personalization!r}; choose from "
                               f"{', '.join(PERSONALIZATIONS)}")
-        super().__init__(task, site_names, training, seed, rounds, lam=1.0, gamma=gamma)
+        super().__init__(task, site_names, training, seed, rounds, lam=1.0, gamma=gamma, selector_calibration="lda")
         # the name stays "fedsm": the result is a FedSM super model (gamma routing), and the
         # variants see the same seeds, hence the same batches, as SoftPull
         self.personalization = personalization

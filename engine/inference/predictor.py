@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
 from engine.inference.device import resolve_device
+from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
 from engine.models import build_segmentation_net, build_selector
 
@@ -43,12 +44,19 @@ class Prediction:
         ``float32 (N, K)`` (FedSM) or ``(N, K + 1)`` (FedSM-extra) selector softmax.
     confidence
         ``float32 (N,)`` largest selector probability.
+    reasons
+        One sentence per image: why it went to its model (:mod:`engine.inference.guard`).
+    guarded
+        ``bool (N,)``: images the routing guard sent to the global model instead of the
+        personalized model the selector chose.
     """
 
     masks: np.ndarray
     routed: np.ndarray
     probabilities: np.ndarray
     confidence: np.ndarray
+    reasons: list[str] = field(default_factory=list)
+    guarded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def routed_names(self, site_names: Sequence[str]) -> list[str]:
         """Name of the model used per image: ``"global"`` or the site's name."""
@@ -203,6 +211,7 @@ class SuperModelPredictor:
         force_model: int | None = None,
         progress: ProgressCallback | None = None,
         cancel: CancelCheck | None = None,
+        routing_guard: bool | None = None,
     ) -> Prediction:
         """Segment ``images`` with the routed super model.
 
@@ -223,6 +232,10 @@ class SuperModelPredictor:
             once for the selector and once for its U-Net, so ``total = 2 * N`` is known up front.
         cancel
             Checked before every batch; when it returns True, :class:`CancelledError` is raised.
+        routing_guard
+            Route to a site's personalized model only where it beat the global model on the
+            site's validation data (:mod:`engine.inference.guard`); ``None`` uses the bundle's
+            setting. Only FedSM (gamma) bundles have a guard.
 
         Returns
         -------
@@ -270,15 +283,23 @@ class SuperModelPredictor:
                 probs[sl] = torch.softmax(self.selector(x).float(), dim=1).cpu().numpy()
                 step(sl.stop - sl.start)
 
-            if self.selector is None:
-                routed = np.zeros(n, dtype=np.int64)
+            guard_on = meta.routing_guard if routing_guard is None else bool(routing_guard)
+            decisions = None
+            if self.selector is None:  # a single-model bundle
+                chosen = np.zeros(n, dtype=np.int64)
                 step(n)
             elif force_model is not None:
-                routed = np.full(n, int(force_model), dtype=np.int64)
+                chosen = np.full(n, int(force_model), dtype=np.int64)
             elif meta.routing == "argmax":
-                routed = route_fedsm_extra(probs)
+                chosen = route_fedsm_extra(probs)
             else:
-                routed = route_fedsm(probs, threshold)
+                chosen = route_fedsm(probs, threshold)
+                if guard_on:
+                    decisions = guard_decisions(meta.site_names, meta.site_validation)
+            routed, guarded = (apply_guard(chosen, decisions) if decisions is not None
+                               else (chosen, np.zeros(n, dtype=bool)))
+            reasons = routing_reasons(chosen, routed, probs, threshold, meta.model_names, decisions,
+                                      forced=force_model is not None, argmax=meta.routing == "argmax")
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))
@@ -295,6 +316,8 @@ class SuperModelPredictor:
             routed=routed,
             probabilities=probs,
             confidence=confidence(probs).astype(np.float32),
+            reasons=reasons,
+            guarded=guarded,
         )
 
     @staticmethod

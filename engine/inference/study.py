@@ -266,6 +266,7 @@ def _records(prediction: Prediction, model_names: list[str], prob_names: list[st
                 confidence=float(prediction.confidence[i]),
                 probabilities={name: float(p) for name, p in zip(prob_names, probs, strict=True)},
                 runner_up=prob_names[int(order[1])] if len(order) > 1 else None,
+                reason=prediction.reasons[i] if i < len(prediction.reasons) else "",
             )
         )
     return tuple(records)

@@ -55,6 +55,9 @@ class ImageRecord:
         Selector softmax by name: site names (FedSM) or ``"global"`` plus site names (FedSM-extra).
     runner_up
         Second most probable name, ``None`` when the selector has a single class.
+    reason
+        Why the image went to ``model``, in words (gamma, routing guard); ``""`` in records
+        written before reasons existed.
     """
 
     index: int
@@ -62,6 +65,7 @@ class ImageRecord:
     confidence: float
     probabilities: dict[str, float]
     runner_up: str | None = None
+    reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict."""
@@ -71,6 +75,7 @@ class ImageRecord:
             "confidence": self.confidence,
             "probabilities": dict(self.probabilities),
             "runner_up": self.runner_up,
+            "reason": self.reason,
         }
 
     @classmethod
@@ -86,6 +91,7 @@ class ImageRecord:
             confidence=_number(data["confidence"], "confidence"),
             probabilities={_text(k, "probability name"): _number(v, "probability") for k, v in probabilities.items()},
             runner_up=None if runner_up is None else _text(runner_up, "runner_up"),
+            reason=_text(data["reason"], "reason") if data.get("reason") else "",
         )
 
 

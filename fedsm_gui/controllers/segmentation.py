@@ -91,7 +91,7 @@ class SegmentationController:
             self.view.set_current(None, None, None, {}, None)
         else:
             self.view.set_current(routing.index, routing.model, routing.confidence, routing.probabilities,
-                                  routing.runner_up)
+                                  routing.runner_up, routing.reason)
 
     def _show_cup_to_disc(self) -> None:
         study = self.viewer.study

@@ -21,6 +21,7 @@ class SliceRouting:
     confidence: float
     probabilities: dict[str, float]
     runner_up: str | None
+    reason: str = ""
 
 
 def routing_from_record(record: Any) -> SliceRouting:
@@ -29,7 +30,8 @@ def routing_from_record(record: Any) -> SliceRouting:
         return record.get(name, default) if isinstance(record, dict) else getattr(record, name, default)
 
     return SliceRouting(int(get("index")), str(get("model")), float(get("confidence")),
-                        {str(k): float(v) for k, v in dict(get("probabilities") or {}).items()}, get("runner_up"))
+                        {str(k): float(v) for k, v in dict(get("probabilities") or {}).items()}, get("runner_up"),
+                        str(get("reason", "") or ""))
 
 
 class SegmentationState:

@@ -124,8 +124,8 @@ class SegmentationView:
         raise NotImplementedError
 
     def set_current(self, index: int | None, model: str | None, confidence: float | None,
-                    probabilities: dict[str, float], runner_up: str | None) -> None:
-        """Values of the current image/slice (``None``: no result yet)."""
+                    probabilities: dict[str, float], runner_up: str | None, reason: str = "") -> None:
+        """Values of the current image/slice (``None``: no result yet); ``reason``: why this model."""
         raise NotImplementedError
 
     def set_cup_to_disc(self, model_value: float | None, reference_value: float | None) -> None:

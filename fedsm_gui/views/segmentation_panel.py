@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -205,7 +206,7 @@ class SegmentationPanel(QGroupBox):
         self.strip.set_data(strip, model_names, current, self._gamma_value)
 
     def set_current(self, index: int | None, model: str | None, confidence: float | None,
-                    probabilities: dict[str, float], runner_up: str | None) -> None:
+                    probabilities: dict[str, float], runner_up: str | None, reason: str = "") -> None:
         if index is None or model is None:
             self.current_label.setText("")
             return
@@ -213,7 +214,8 @@ class SegmentationPanel(QGroupBox):
         probs = " · ".join(f"{k} {v:.2f}" for k, v in sorted(probabilities.items(), key=lambda kv: -kv[1]))
         self.current_label.setText(
             f"Slice {index + 1}: <b style='color:{colour}'>{model}</b> model, confidence {confidence:.2f}"
-            f"<br>selector: {probs}<br>runner-up: {runner_up or '—'}")
+            f"<br>selector: {probs}<br>runner-up: {runner_up or '—'}"
+            + (f"<br>why: {html.escape(reason)}" if reason else ""))
 
     def set_export_name(self, name: str) -> None:
         self._export_name = name

@@ -79,6 +79,7 @@ def test_bench_simulation_trains_softpull_with_lam_below_one_over_k(tmp_path):
     state = method.initial_state()
     ones = {k: torch.ones_like(v) if v.dtype.is_floating_point else v for k, v in state["global"].items()}
     updates = {f"s{k}": SiteUpdate({"global": state["global"], "selector": state["selector"],
+                                    "selector_optim": state["selector_optim"],
                                     "personal": {n: v * k if v.dtype.is_floating_point else v
                                                  for n, v in ones.items()}}, 2) for k in range(3)}
     new = method.aggregate(state, 1, updates)

@@ -16,8 +16,11 @@ def test_traffic_counts_the_three_networks():
     unet = payload_bytes(model_weights(build_segmentation_net(3, 2)))
     selector = payload_bytes(model_weights(build_selector(3, 6)))
     assert t["fedavg_bytes_each_way"] == unet
-    assert t["fedsm_bytes_each_way"] == t["fedsm_bytes_up"] == 2 * unet + selector
-    assert t["fedsm_classic_head_bytes_each_way"] - t["fedsm_bytes_each_way"] == 4 * (
+    # the reference-trained selector travels with its Adam moments (two per parameter)
+    moments = t["selector_optimizer_bytes"]
+    assert moments > 0
+    assert t["fedsm_bytes_each_way"] == t["fedsm_bytes_up"] == 2 * unet + selector + moments
+    assert t["fedsm_classic_head_bytes_each_way"] - t["fedsm_bytes_each_way"] == 3 * 4 * (
         head_parameter_count("classic", 6) - head_parameter_count("gap", 6))
     assert t["fedsm_extra_selector_round_bytes_down"] == 7 * unet + payload_bytes(model_weights(build_selector(3, 7)))
     assert 0 < t["gap_over_classic"] < 0.2

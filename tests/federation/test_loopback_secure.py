@@ -187,7 +187,8 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
         assert isinstance(message, Message)
         content = message.content
         allowed = {records.INFO, records.METRICS, records.LAYOUT} | {
-            records.WEIGHTS_PREFIX + p for p in ("global", "personal", "selector", "selector_stats")}
+            records.WEIGHTS_PREFIX + p
+            for p in ("global", "personal", "selector", "selector_optim", "selector_stats", "selector_temperature")}
         assert set(content) <= allowed, set(content)
         info = content.config_records[records.INFO]
         assert set(info) <= {"site", "round"} and info["site"] in SITES
@@ -199,6 +200,9 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
             for name, tensor in tensors.items():
                 if part == "selector_stats":
                     assert name in STAT_KEYS and tensor.dim() <= 2
+                elif part == "selector_optim":  # Adam moments of selector parameters, and the step count
+                    moment = name.removeprefix("exp_avg_sq.").removeprefix("exp_avg.")
+                    assert name == "step" or shapes[moment] == tuple(tensor.shape), (part, name)
                 else:
                     assert shapes[name] == tuple(tensor.shape), (part, name)  # a model parameter, nothing else
         replies += 1

@@ -12,7 +12,8 @@ from engine.tasks import FUNDUS
 
 
 def sites(n_sites: int = 3) -> list[SiteRuntime]:
-    return [SiteRuntime(f"site{k + 1}", k, random_split(4 + 2 * k, seed=k, shift=0.3 * k)) for k in range(n_sites)]
+    return [SiteRuntime(f"site{k + 1}", k, random_split(4 + 2 * k, seed=k, shift=0.3 * k),
+                        validation=random_split(3, seed=10 + k, shift=0.3 * k)) for k in range(n_sites)]
 
 
 def names(rts):
@@ -27,11 +28,12 @@ def test_fedavg_is_deterministic(tiny_training):
         assert torch.equal(a["global"][key], b["global"][key])
 
 
-def test_fedsm_round_and_calibration(tiny_training):
+def test_fedsm_lda_round_and_calibration(tiny_training):
     rts = sites()
-    method = FedSM(FUNDUS, names(rts), tiny_training, seed=0, rounds=1, lam=0.7)
+    method = FedSM(FUNDUS, names(rts), tiny_training, seed=0, rounds=1, lam=0.7, selector_calibration="lda")
     assert method.total_rounds == 2
     initial = method.initial_state()
+    assert "selector_optim" not in initial
     state, records = run_rounds(method, rts, method.total_rounds)
     assert [r.answered for r in records] == [names(rts)] * 2
     # personalized models differ from each other after SoftPull with lam < 1
@@ -43,6 +45,35 @@ def test_fedsm_round_and_calibration(tiny_training):
     assert not torch.equal(state["selector"][last_w], initial["selector"][last_w])
     # calibration traffic is statistics only: count, sum, outer
     assert records[1].bytes_from_site["site1"] < records[0].bytes_from_site["site1"] / 10
+
+
+def test_fedsm_reference_selector_averages_adam_state(tiny_training):
+    rts = sites()
+    method = FedSM(FUNDUS, names(rts), tiny_training, seed=0, rounds=2, lam=0.7)
+    assert method.selector_calibration == "none" and method.total_rounds == 3
+    initial = method.initial_state()
+    assert float(initial["selector_optim"]["step"][0]) == 0.0
+    state, records = run_rounds(method, rts, method.total_rounds)
+    assert [r.answered for r in records] == [names(rts)] * 3
+    # two rounds, one Adam step each, averaged over the sites
+    assert float(state["selector_optim"]["step"][0]) == 2.0
+    assert any(float(v.abs().sum()) > 0 for k, v in state["selector_optim"].items() if k.startswith("exp_avg."))
+    assert records[0].metrics["site1"]["selector_accuracy"] >= 0.0
+    # the last round: no weights back, only both models' validation Dice, recorded for the guard
+    assert records[2].bytes_from_site["site1"] == 0
+    assert set(state["validation_dice"]) == {f"{s}.{w}" for s in names(rts) for w in ("global", "personal")}
+    assert all(0.0 <= float(v[0]) <= 1.0 for v in state["validation_dice"].values())
+
+
+def test_fedsm_temperature_calibration_scales_last_layer(tiny_training):
+    rts = sites(2)
+    method = FedSM(FUNDUS, names(rts), tiny_training, seed=0, rounds=1, lam=0.5, selector_calibration="temperature")
+    state, records = run_rounds(method, rts, 1)
+    state2, _ = run_rounds(method, rts, 2, state=state, first_round=2)
+    temperature = float(state2["selector_calibration"]["temperature"][0])
+    for key in ("classifier.3.weight", "classifier.3.bias"):
+        assert torch.allclose(state2["selector"][key], state["selector"][key] / temperature, atol=1e-6)
+    assert records[0].answered == names(rts)
 
 
 def test_site_that_fails_is_left_out_and_keeps_its_personal_model(tiny_training):

@@ -254,7 +254,7 @@ def test_segmentation_controller_runs_and_shows_routing(tmp_path, volume_study):
     assert len(strip) == 12 and strip[1][0] == "site1"
     assert t.state.progress == (3, 4)
     # current slice is the axial cursor (6): the panel shows its routed model and confidence
-    index, model, confidence, _, runner_up = t.view.set_current.call_args.args
+    index, model, confidence, _, runner_up, _reason = t.view.set_current.call_args.args
     assert (index, model, runner_up) == (6, "global", "site2") and confidence == pytest.approx(0.625)
     t.viewer.set_slice("axial", 7)
     assert t.view.set_current.call_args.args[1] == "site1"

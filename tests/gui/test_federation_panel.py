@@ -25,6 +25,7 @@ def site_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_demo_site_reports_one_sites_real_traffic(site_workdir):
+    from engine.fl.selector_training import initial_optimizer_state
     from engine.fl.weights import payload_bytes
     from engine.models import build_segmentation_net, build_selector
 
@@ -35,18 +36,21 @@ def test_demo_site_reports_one_sites_real_traffic(site_workdir):
     assert set(kinds) <= set(EVENT_KINDS)
     for event in events:
         assert REQUIRED.get(event["event"], set()) <= set(event), event
-    # round 1 trains (FedSM's three networks), round 2 calibrates the selector
+    # round 1 trains (FedSM's three networks; the selector's Adam moments travel with it), round 2
+    # evaluates the final models on the site's validation data and sends only the two Dice values
     received = [e for e in events if e["event"] == "received"]
     sent = [e for e in events if e["event"] == "sent"]
     assert [e["round"] for e in received] == [1, 2] and [e["round"] for e in sent] == [1, 2]
     unet = payload_bytes(build_segmentation_net(3, 2).state_dict())
     selector = payload_bytes(build_selector(3, 3, "gap").state_dict())
-    assert received[0]["bytes"] == sent[0]["bytes"] == 2 * unet + selector
-    assert set(received[0]["contents"]) == {"global", "personal", "selector"}
-    assert received[1]["contents"] == {"selector": len(build_selector(3, 3, "gap").state_dict())}
-    assert set(sent[1]["contents"]["tensors"]) == {"selector_stats"} and sent[1]["bytes"] < selector
+    moments = payload_bytes(initial_optimizer_state(build_selector(3, 3, "gap")))
+    assert received[0]["bytes"] == sent[0]["bytes"] == 2 * unet + selector + moments
+    assert set(received[0]["contents"]) == {"global", "personal", "selector", "selector_optim"}
+    assert set(received[1]["contents"]) == {"global", "personal", "selector"}
+    assert not sent[1]["contents"]["tensors"] and sent[1]["bytes"] < selector
+    assert {"val_dice_global", "val_dice_personal"} <= set(sent[1]["contents"]["metrics"])
     assert sent[0]["contents"]["num_examples"] > 0
-    metrics = [e for e in events if e["event"] == "metrics"]
+    metrics = [e for e in events if e["event"] == "metrics" and e["round"] == 1]
     assert len(metrics) == 1 and set(metrics[0]["dice"]) == {"global", "personalized", "local"}
     assert all(0.0 <= v <= 1.0 for v in metrics[0]["dice"].values())
     batches = [e for e in events if e["event"] == "batch"]

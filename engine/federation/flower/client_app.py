@@ -126,7 +126,7 @@ class SiteWorker:
         self.events.emit("round_start", round=rnd, rounds=total, method=ins.method)
         data = self.data(spec.task, spec.image_size)
         runtime = SiteRuntime(self.cfg.name, spec.site_names.index(self.cfg.name), data.train,
-                              load_site_state_before(self.state_dir, ins.session, rnd))
+                              load_site_state_before(self.state_dir, ins.session, rnd), validation=data.validation)
 
         def progress(event: dict[str, Any]) -> None:
             if event.get("event") == "batch":

@@ -146,6 +146,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     files: dict[str, str] = {}
     if spec.method in ("fedsm", "fedsm-extra"):
         from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+        from engine.inference.guard import site_validation_from_state
         from engine.tasks import get_task
 
         task = get_task(spec.task)
@@ -156,6 +157,8 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
             gamma=float(spec.gamma), rounds=method.total_rounds,
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
+            site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
+            routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
                    "site_dice": site_dice or {}})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},

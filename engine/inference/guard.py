@@ -1,0 +1,118 @@
+"""Routing guard: a super model never routes to a personalized model that lost to the global one.
+
+Each site measured, in the last federated round, the validation Dice of the final global model
+and of its own final personalized model on its own validation images; the bundle records both
+(:attr:`engine.bundle.BundleMetadata.site_validation`). With the guard on, an image the
+selector would send to site ``k``'s model (Algorithm 2: confidence above gamma) goes there only
+if that model's validation Dice at site ``k`` was strictly higher than the global model's;
+otherwise (lower, equal, or not reported) it goes to the global model. This is not in the
+FedSM paper: it bounds the super model by its own global model where personalization did not
+pay off. Every routed image gets a reason in words (``routing.json``, the GUI's routing strip).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class GuardDecision:
+    """Whether site ``site``'s personalized model may be routed to, and why."""
+
+    site: str
+    allowed: bool
+    why: str
+
+
+def guard_decisions(site_names: Sequence[str],
+                    site_validation: Mapping[str, Mapping[str, float | None]]) -> list[GuardDecision]:
+    """Per site (routing order), whether its personalized model beat the global one on its validation data."""
+    out = []
+    for site in site_names:
+        scores = site_validation.get(site, {})
+        personal, glob = scores.get("personal"), scores.get("global")
+        if personal is None or glob is None:
+            out.append(GuardDecision(site, False, f"{site} reported no validation Dice for both models"))
+        elif personal > glob:
+            out.append(GuardDecision(site, True, f"{site}'s model beat global on {site}'s validation data "
+                                                 f"(Dice {personal:.3f} vs {glob:.3f})"))
+        else:
+            verb = "tied with" if personal == glob else "lost to"
+            out.append(GuardDecision(site, False, f"{site}'s model {verb} global on {site}'s validation data "
+                                                  f"(Dice {personal:.3f} vs {glob:.3f})"))
+    return out
+
+
+def apply_guard(routed: np.ndarray, decisions: Sequence[GuardDecision]) -> tuple[np.ndarray, np.ndarray]:
+    """Send images routed to a site whose model is not allowed to the global model.
+
+    Parameters
+    ----------
+    routed
+        ``int64 (N,)`` Algorithm 2's choice: 0 global, ``k`` site ``k``'s personalized model.
+    decisions
+        :func:`guard_decisions` in routing order.
+
+    Returns
+    -------
+    routed, guarded
+        The guarded routing and a ``bool (N,)`` mask of the images the guard redirected.
+    """
+    allowed = np.array([True] + [d.allowed for d in decisions], dtype=bool)
+    r = np.asarray(routed, dtype=np.int64)
+    guarded = ~allowed[r]
+    return np.where(guarded, 0, r).astype(np.int64), guarded
+
+
+def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, gamma: float | None,
+                    model_names: Sequence[str], decisions: Sequence[GuardDecision] | None,
+                    forced: bool = False, argmax: bool = False) -> list[str]:
+    """One sentence per image saying why it went to the model that segmented it.
+
+    Parameters
+    ----------
+    chosen
+        The routing rule's choice before the guard; ``final`` after it.
+    decisions
+        The guard's decisions, or ``None`` when the guard is off.
+    """
+    conf = np.asarray(probs).max(axis=1) if len(probs) else np.zeros(0)
+    out = []
+    for i, (c, f) in enumerate(zip(chosen, final, strict=True)):
+        name = model_names[int(f)]
+        if forced:
+            out.append(f"{name}: chosen by the user")
+        elif argmax:
+            out.append(f"{name}: most likely model for the selector (p {conf[i]:.2f})")
+        elif int(c) == 0:
+            out.append(f"global: selector confidence {conf[i]:.2f} <= gamma {gamma:.2f}")
+        elif decisions is None:
+            out.append(f"{name}: selector confidence {conf[i]:.2f} > gamma {gamma:.2f} (routing guard off)")
+        else:
+            d = decisions[int(c) - 1]
+            if d.allowed:
+                out.append(f"{name}: selector confidence {conf[i]:.2f} > gamma {gamma:.2f}, and {d.why}")
+            else:
+                out.append(f"global (routing guard): selector confidence {conf[i]:.2f} > gamma {gamma:.2f} for "
+                           f"{d.site}, but {d.why}")
+    return out
+
+
+def site_validation_from_state(state: Mapping[str, Mapping[str, object]],
+                               site_names: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    """Bundle metadata ``site_validation`` from a FedSM server state's ``"validation_dice"`` part.
+
+    Sites that reported nothing get ``None`` for both models (the guard then routes them to global).
+    """
+    scores = state.get("validation_dice", {})
+    out: dict[str, dict[str, float | None]] = {}
+    for site in site_names:
+        entry: dict[str, float | None] = {}
+        for which in ("global", "personal"):
+            value = scores.get(f"{site}.{which}")
+            entry[which] = None if value is None else float(value.reshape(-1)[0])  # type: ignore[attr-defined]
+        out[site] = entry
+    return out

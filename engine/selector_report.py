@@ -1,0 +1,121 @@
+"""What ``report.json`` says about a FedSM super model's selector and routing.
+
+Computed once per run from the trained super model: every image of the participating sites'
+held-out splits (and of the held-out site, ``--holdout-site``) goes through the selector once
+and through each of the K + 1 U-Nets once, so any routing (any gamma, guard on or off) is an
+index into those predictions. Reported:
+
+- ``confidence``: the selector's top-1 confidence on seen (participating sites' test images)
+  and unseen (the held-out site's images) images: quantiles and a histogram;
+- ``ece``: expected calibration error of the selector on the participating sites' test images
+  (label = the image's site), and its accuracy there;
+- ``routing_per_gamma``: per gamma, the fraction of seen images routed to the global model, to
+  their own site's model and to another site's model, and the fraction of unseen images
+  routed to the global model (guard off: the selector alone);
+- ``dice``: at the run's gamma, client-average test Dice of the super model with the routing
+  guard on and off, of the global model alone and, for the unseen site, the same three (Dice
+  per case as everywhere in the report: slices of a volume are scored together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.fl.selector_training import confidence_summary, expected_calibration_error
+from engine.inference.guard import apply_guard, guard_decisions
+from engine.inference.routing import route_fedsm
+
+#: Gammas at which routing is reported (the paper's Table 5 range).
+REPORT_GAMMAS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
+
+
+@dataclass
+class SiteImages:
+    """Held-out images of one site with their ground truth."""
+
+    name: str
+    images: np.ndarray
+    masks: np.ndarray
+    case_ids: np.ndarray
+
+
+@dataclass
+class _Scored:
+    probs: np.ndarray  # (N, K) selector softmax
+    masks: np.ndarray  # (models, N, L, H, W) every model's masks
+
+
+def _score(predictor: Any, site: SiteImages) -> _Scored:
+    """Selector probabilities and every model's masks for one site's images."""
+    masks = []
+    probs = None
+    for model in range(predictor.num_models):
+        pred = predictor.predict(site.images, force_model=model, routing_guard=False)
+        probs = pred.probabilities if probs is None else probs
+        masks.append(pred.masks)
+    return _Scored(np.asarray(probs), np.stack(masks))
+
+
+def _routed_dice(scored: _Scored, routed: np.ndarray, site: SiteImages) -> float:
+    """Mean per-case Dice (over cases and structures) when each image is segmented by its routed model."""
+    from engine.fl.evaluation import dice_per_case
+
+    masks = scored.masks[np.asarray(routed, dtype=np.int64), np.arange(len(routed))]
+    return float(dice_per_case(masks, site.masks, site.case_ids).mean())
+
+
+def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImages | None,
+                    gamma: float, gammas: Sequence[float] = REPORT_GAMMAS) -> dict[str, Any]:
+    """The selector and routing analysis of a FedSM super model (see the module docstring)."""
+    meta = predictor.metadata
+    names = list(meta.site_names)
+    seen_scored = [_score(predictor, s) for s in seen]
+    labels = np.concatenate([np.full(len(s.images), names.index(s.name)) for s in seen])
+    probs = np.concatenate([sc.probs for sc in seen_scored])
+    unseen_scored = _score(predictor, unseen) if unseen is not None and len(unseen.images) else None
+    out: dict[str, Any] = {
+        "calibration": meta.extra.get("selector_calibration", "none"),
+        "confidence": {"seen": confidence_summary(probs.max(1) if len(probs) else probs)},
+        "ece": {"participating": expected_calibration_error(probs, labels),
+                "accuracy": float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")},
+    }
+    if unseen_scored is not None:
+        out["confidence"]["unseen"] = confidence_summary(unseen_scored.probs.max(1))
+
+    per_gamma = []
+    for g in gammas:
+        routed = route_fedsm(probs, g)
+        row: dict[str, Any] = {"gamma": float(g),
+                               "seen": {"global": float((routed == 0).mean()),
+                                        "own_site": float((routed == labels + 1).mean()),
+                                        "other_site": float(((routed != 0) & (routed != labels + 1)).mean())}}
+        if unseen_scored is not None:
+            r_u = route_fedsm(unseen_scored.probs, g)
+            row["unseen"] = {"global": float((r_u == 0).mean()), "site": float((r_u != 0).mean())}
+        per_gamma.append(row)
+    out["routing_per_gamma"] = per_gamma
+
+    decisions = guard_decisions(names, meta.site_validation)
+
+    def dice_for(scored: _Scored, site: SiteImages) -> dict[str, float]:
+        chosen = route_fedsm(scored.probs, gamma)
+        guarded, _ = apply_guard(chosen, decisions)
+        return {"guard_on": _routed_dice(scored, guarded, site), "guard_off": _routed_dice(scored, chosen, site),
+                "global_only": _routed_dice(scored, np.zeros(len(chosen), dtype=np.int64), site)}
+
+    per_site = {s.name: dice_for(sc, s) for s, sc in zip(seen, seen_scored, strict=True)}
+    out["dice"] = {
+        "gamma": float(gamma),
+        "participating": {k: float(np.mean([d[k] for d in per_site.values()])) for k in
+                          ("guard_on", "guard_off", "global_only")} if per_site else {},
+        "per_site": per_site,
+    }
+    if unseen_scored is not None and unseen is not None:
+        out["dice"]["unseen"] = dice_for(unseen_scored, unseen)
+        out["unseen_site"] = unseen.name
+    out["guard"] = {d.site: {"personal_allowed": d.allowed, "why": d.why} for d in decisions}
+    return out

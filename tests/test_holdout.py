@@ -1,0 +1,46 @@
+"""``fedsm simulate --holdout-site``: one site left out of training and evaluated as unseen."""
+
+import json
+
+import pytest
+
+from engine.cli.main import main
+from engine.errors import ConfigError
+from engine.simulate import Simulation, SimulationConfig
+
+
+@pytest.mark.slow
+def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
+    out = tmp_path / "run"
+    code = main(["simulate", "--task", "fundus", "--sites", "3", "--holdout-site", "site3", "--rounds", "1",
+                 "--selector-warmup", "1", "--image-size", "32", "--methods", "fedavg,fedsm", "--device", "cpu",
+                 "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert [s["name"] for s in report["sites"]] == ["site1", "site2"]
+    assert report["holdout_site"]["name"] == "site3"
+    fedsm = report["methods"]["fedsm"]
+    assert set(fedsm["dice"]) == {"site1", "site2"}
+    assert len(fedsm["rounds"]) == 1 + 1 + 1  # warm-up, training, last round
+    sel = fedsm["extra"]["selector"]
+    assert sel["unseen_site"] == "site3"
+    assert sel["confidence"]["unseen"]["n"] == sum(report["holdout_site"][k]["images"]
+                                                   for k in ("train", "validation", "test"))
+    assert 0.0 <= sel["ece"]["participating"] <= 1.0
+    for row in sel["routing_per_gamma"]:
+        assert sum(row["seen"].values()) == pytest.approx(1.0)
+        assert row["unseen"]["global"] + row["unseen"]["site"] == pytest.approx(1.0)
+    # gamma 0.99: nothing is that sure after two Adam steps; everything goes to the global model
+    assert sel["routing_per_gamma"][-1]["unseen"]["global"] == 1.0
+    dice = sel["dice"]
+    assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only"}
+    assert set(sel["guard"]) == {"site1", "site2"}
+    assert 0.0 <= report["methods"]["fedavg"]["extra"]["unseen"]["dice"] <= 1.0
+
+
+def test_unknown_holdout_site_is_refused(tmp_path):
+    sim = Simulation(SimulationConfig(sites=2, holdout_site="site9", image_size=32, methods=("fedavg",)), tmp_path)
+    with pytest.raises(ConfigError, match="site9"):
+        sim.load_sites()
+    with pytest.raises(ConfigError, match="no site to train on"):
+        SimulationConfig(sites=1, holdout_site="site1")
