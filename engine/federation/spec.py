@@ -49,6 +49,8 @@ class MethodSpec:
     selector_warmup: int = 0
     selector_epochs: int = 1
     routing_guard: bool = True
+    #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
+    fundus_crop: str = "none"
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
@@ -73,6 +75,9 @@ class MethodSpec:
         from engine.fl.selector_training import check_calibration
 
         check_calibration(self.selector_calibration)
+        from engine.data.disc_crop import check_mode
+
+        check_mode(self.fundus_crop)
         if not isinstance(self.routing_guard, bool):
             raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
         if self.selector_head not in ("gap", "classic"):

@@ -85,3 +85,15 @@ def test_a_bad_evaluation_answer_is_refused():
         decode_evaluation(RecordDict({"metrics": MetricRecord({"testing/global": 1.5})}), "site1")
     assert decode_evaluation(RecordDict({"metrics": MetricRecord({"testing/global": 0.5})}), "s") == {
         "testing": {"global": 0.5}}
+
+
+def test_fundus_crop_travels_in_the_run_spec_to_the_sites_data(datalists, tmp_path):
+    from engine.errors import ConfigError
+
+    spec = MethodSpec(method="fedavg", task="fundus", site_names=SITES, rounds=1, image_size=32, fundus_crop="auto")
+    assert MethodSpec.from_json(spec.to_json()).fundus_crop == "auto"
+    with pytest.raises(ConfigError, match="unknown fundus crop"):
+        MethodSpec(method="fedavg", task="fundus", site_names=SITES, fundus_crop="tight")
+    worker = next(iter(workers_for(datalists[:1], tmp_path).values()))
+    assert worker.data("fundus", 32, "auto") is not worker.data("fundus", 32)  # loaded apart, cached apart
+    assert worker.data("fundus", 32, "auto") is worker.data("fundus", 32, "auto")

@@ -77,15 +77,16 @@ class SiteWorker:
     signed_spec: str | None = None
 
     # --- pieces ------------------------------------------------------------------------
-    def data(self, task: str, image_size: int) -> SiteData:
+    def data(self, task: str, image_size: int, fundus_crop: str = "none") -> SiteData:
         """The site's data at ``image_size`` (loaded once, through the same path as training and inference)."""
         from engine.data.site_data import load_site
         from engine.tasks import get_task
 
-        key = (task, image_size)
+        key = (task, image_size, fundus_crop)
         if key not in self._data:
             self.events.status(f"loading {self.cfg.datalist.name} at {image_size} px")
-            self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name)
+            self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name,
+                                        fundus_crop=fundus_crop)
         return self._data[key]
 
     def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:
@@ -124,7 +125,7 @@ class SiteWorker:
         self.events.emit("received", round=rnd, rounds=total, method=ins.method, bytes=records.record_bytes(content),
                          contents=records.record_contents(content))
         self.events.emit("round_start", round=rnd, rounds=total, method=ins.method)
-        data = self.data(spec.task, spec.image_size)
+        data = self.data(spec.task, spec.image_size, spec.fundus_crop)
         runtime = SiteRuntime(self.cfg.name, spec.site_names.index(self.cfg.name), data.train,
                               load_site_state_before(self.state_dir, ins.session, rnd), validation=data.validation)
 

@@ -72,7 +72,7 @@ def evaluate_at_site(worker: SiteWorker, content: RecordDict) -> RecordDict:
     method, spec = worker.method(ins.spec_json)
     values: dict[str, float] = {}
     if worker.validate:
-        data = worker.data(spec.task, spec.image_size)
+        data = worker.data(spec.task, spec.image_size, spec.fundus_crop)
         names = {"global": "global", "personal": "personalized"}
         labels = list(method.task.label_names)
         for split_name, split in (("validation", data.validation), ("testing", data.test)):

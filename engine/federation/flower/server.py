@@ -160,7 +160,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
-                   "site_dice": site_dice or {}})
+                   "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
@@ -174,7 +174,8 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
                                      spec.image_size, rounds=method.total_rounds,
                                      val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
                                      extra={"seed": spec.seed, "session": session, "app_hash": app_hash,
-                                            "trained_by": "fedsm server", "site_dice": site_dice or {}})
+                                            "trained_by": "fedsm server", "site_dice": site_dice or {},
+                                            "fundus_crop": spec.fundus_crop})
         save_bundle(cfg.work_dir / "global.safetensors", bundle)
         files["global"] = "global.safetensors"
     summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
