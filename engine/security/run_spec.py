@@ -87,6 +87,10 @@ class SiteBounds:
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),
                                   ("batch_size", self.min_batch_size, False)):
             value = spec.get(key)
+            if key == "selector_lr" and value is None:  # "the method's default": check the value it resolves to
+                from engine.fl.selector_training import default_selector_lr
+
+                value = default_selector_lr(str(spec.get("selector_calibration", "none")), None)
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 out.append(f"{key} = {value!r} is not a number")
             elif (value > bound) if above else (value < bound):
