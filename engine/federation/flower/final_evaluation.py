@@ -91,7 +91,8 @@ def evaluate_at_site(worker: SiteWorker, content: RecordDict) -> RecordDict:
 
         worker.events.emit("metrics", round=ins.rounds, loss={}, dice=means("validation"),
                            test_dice=means("testing"), final=True)
-    return RecordDict({records.INFO: ConfigRecord({"site": worker.cfg.name, "action": ACTION}),
+    # the same two settings every reply carries (site, round): a site's answers have one shape
+    return RecordDict({records.INFO: ConfigRecord({"site": worker.cfg.name, "round": int(ins.rounds)}),
                        records.METRICS: MetricRecord(values)})
 
 
