@@ -5,6 +5,9 @@
 - ``volume_view.png``: a synthetic prostate MR volume in three orthogonal views with the model's
   mask and the per-slice routing strip.
 - ``federation_panel.png``: the federation panel mid-run (simulated demo site, in round 3 of 4).
+- ``help.png``: Help ▸ Keys and mouse (F1).
+
+The photo and volume shots show the pointer readout; the volume shot a distance ruler too.
 
 Usage::
 
@@ -43,7 +46,15 @@ def demo_shot(app, cache_dir: Path, out: Path) -> None:
     if not ready:
         raise RuntimeError(app.window.banner.label.text())
     app.window.tabs.setCurrentIndex(0)
+    _hover_centre(app, "photo", app.overlays.layers["model"].labels.array == 2)  # the readout over the cup
     _grab(app, out / "main_window.png")
+
+
+def _hover_centre(app, view: str, mask: np.ndarray) -> None:
+    """Put the pointer readout on the centre of ``mask`` (a photo mask, or an axial slice of a volume)."""
+    rows, cols = np.nonzero(mask)
+    if rows.size:
+        app.viewer.hover(view, float(rows.mean()), float(cols.mean()))
 
 
 def volume_shot(app, cache_dir: Path, out: Path) -> None:
@@ -69,7 +80,30 @@ def volume_shot(app, cache_dir: Path, out: Path) -> None:
     _wait(lambda: app.segmentation_state.status != "running", 300, "the segmentation")
     app.viewer_state.set_cursor((128, 124, 12))  # through the gland (RAS: j = 255 - drawn row)
     app.window.tabs.setCurrentIndex(0)
+    axial = app.window.viewer.canvas("axial")
+    shown = axial._arrays[1][..., 3] > 0 if len(axial._arrays) > 1 else np.zeros((1, 1), bool)
+    _hover_centre(app, "axial", shown)
+    rows, cols = np.nonzero(shown)
+    if rows.size:  # a ruler across the gland, left to right through its centre
+        app.window.viewer.measure_button.setChecked(True)
+        middle = float(rows.mean())
+        axial.ruler = ((middle, float(cols.min())), (middle, float(cols.max()) + 1))
+        axial.update()
     _grab(app, out / "volume_view.png")
+
+
+def help_shot(app, cache_dir: Path, out: Path) -> None:
+    from PySide6.QtWidgets import QApplication, QDialog
+
+    app.window.show_help()
+    dialog = app.window.findChild(QDialog, "help-dialog")
+    for _ in range(5):
+        QApplication.processEvents()
+    path = out / "help.png"
+    if not dialog.grab().save(str(path)):
+        raise RuntimeError(f"cannot write {path}")
+    dialog.close()
+    print(f"wrote {path}", flush=True)
 
 
 def federation_shot(app, cache_dir: Path, out: Path) -> None:
@@ -102,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "fedsm-screenshots")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
-    parser.add_argument("--only", choices=("demo", "volume", "federation"), action="append",
+    parser.add_argument("--only", choices=("demo", "volume", "federation", "help"), action="append",
                         help="write only these screenshots (repeatable)")
     args = parser.parse_args(argv)
     os.environ["QT_QPA_PLATFORM"] = "offscreen"
@@ -111,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedsm_gui.app import FedSMApp
 
     qt_app = QApplication.instance() or QApplication([])
-    shots = {"demo": demo_shot, "volume": volume_shot, "federation": federation_shot}
+    shots = {"demo": demo_shot, "volume": volume_shot, "federation": federation_shot, "help": help_shot}
     for name, shot in shots.items():
         if args.only and name not in args.only:
             continue

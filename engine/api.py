@@ -20,6 +20,7 @@ from engine.errors import (
 )
 
 if TYPE_CHECKING:  # types only: importing them at run time would pull in numpy-heavy modules
+    from engine.inference.cup_disc import CupToDisc
     from engine.inference.study import StudySegmentation
     from engine.io.provenance import Provenance
     from engine.io.study import LabelMap, SeriesInfo, Study
@@ -36,6 +37,7 @@ __all__ = [
     "WeightsError",
     "app_hash",
     "benchmark",
+    "cup_to_disc_ratio",
     "demo_site_command",
     "describe_device",
     "export_mask",
@@ -89,9 +91,17 @@ def open_study(path: Path, series_uid: str | None = None, progress: ProgressFn |
 
 
 def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelMap:
-    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG)."""
+    """Read a mask aligned voxel for voxel with ``study`` (PNG, NIfTI, MHA/NRRD, DICOM labels or SEG).
+
+    ``convention="auto"`` takes the convention the file name identifies (a Drishti-GS soft map
+    opens as one binarised disc/cup map with its partner file), else the values as stored.
+    """
     from engine.io.masks import open_mask as open_labels
 
+    if convention == "auto":
+        from engine.data.label_conventions import convention_from_name
+
+        convention = convention_from_name(path)
     return open_labels(Path(path), study, convention)
 
 
@@ -116,15 +126,18 @@ def build_datalist(images_dir: Path, masks_dir: Path, out: Path, **options: Any)
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
-          mask_format: str | None = None, force_model: str | None = None) -> dict[str, Any]:
+          mask_format: str | None = None, force_model: str | None = None, site: str | None = None
+          ) -> dict[str, Any]:
     """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``.
 
     ``force_model`` (``"global"`` or a site name) sends every image to that model instead of routing.
+    ``site``: which site's client net a split-network (BlackFed) bundle uses (required there; the
+    same as ``force_model`` with the site's name).
     """
     from engine.inference.run import infer_path
 
     return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
-                      cancel=cancel, mask_format=mask_format, force_model=force_model)
+                      cancel=cancel, mask_format=mask_format, force_model=force_model or site)
 
 
 def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_choice: str = "routed",
@@ -137,12 +150,38 @@ def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_c
                            gamma=gamma, device=device, progress=progress)
 
 
+def bundle_sites(path: Path) -> dict[str, Any]:
+    """What the app shows when a bundle is opened: its kind, method and the sites one can choose.
+
+    ``{"kind": "split", "method": "blackfed-v2", "sites": [...], "server": "per-site"}`` for a
+    BlackFed bundle (the user must pick a site's client net), ``{"kind": "supermodel", ...}``
+    otherwise (the selector routes). Reads the header only.
+    """
+    from engine.bundle import read_metadata
+    from engine.bundle.split import is_split_bundle, read_split_metadata
+
+    if is_split_bundle(Path(path)):
+        meta = read_split_metadata(Path(path))
+        return {"kind": "split", "method": meta.method, "sites": list(meta.site_names), "server": meta.server,
+                "task": meta.task}
+    sm = read_metadata(Path(path))
+    return {"kind": "supermodel", "method": sm.method, "sites": list(sm.site_names), "task": sm.task}
+
+
 def read_bundle_metadata(path: Path) -> dict[str, Any]:
-    """A bundle's metadata as a plain dict (sites, rounds, lambda, gamma, validation Dice, ...)."""
+    """A bundle's metadata as a plain dict (sites, rounds, lambda, gamma, validation Dice, ...).
+
+    A split-network (BlackFed) bundle gives its own metadata with ``routing = "site"``: no
+    selector routes, the user chooses whose client net segments.
+    """
     import json
 
     from engine.bundle import load_bundle
+    from engine.bundle.split import is_split_bundle, load_split_bundle
 
+    if is_split_bundle(Path(path)):
+        meta = json.loads(load_split_bundle(Path(path)).metadata.to_json())
+        return {**meta, "routing": "site"}
     return json.loads(load_bundle(Path(path)).metadata.to_json())
 
 
@@ -182,6 +221,16 @@ def segment_study(model: Path, study: Study, gamma: float | None = None, device:
 
     return segment(Path(model), study, gamma=gamma, device=device, force_model=force_model,
                    batch_size=batch_size, progress=progress, cancel=cancel)
+
+
+def cup_to_disc_ratio(labels: Any, names: dict[int, str]) -> CupToDisc | None:
+    """Vertical cup-to-disc ratio of a fundus label map on cleaned masks, with whether to trust it.
+
+    See :func:`engine.inference.cup_disc.vertical_cup_to_disc`; ``None`` when ``labels`` holds no disc.
+    """
+    from engine.inference.cup_disc import vertical_cup_to_disc
+
+    return vertical_cup_to_disc(labels, names)
 
 
 def export_mask(study: Study, labels: LabelMap, out_path: Path, provenance: Provenance | None = None) -> Path:

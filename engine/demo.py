@@ -107,6 +107,17 @@ def _render_study(cache_dir: Path, settings: DemoSettings) -> tuple[Path, Path]:
     return study, reference
 
 
+def progress_message(round_: int, rounds: int) -> str:
+    """What the progress bar says during round ``round_`` of a demo trained for ``rounds`` rounds.
+
+    FedSM runs one more round after the training rounds, in which the sites only calibrate the
+    model selector; it is not counted as a training round.
+    """
+    if round_ > rounds:
+        return "Calibrating the model selector"
+    return f"Training the demo super model: round {round_} of {rounds}"
+
+
 def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,
                  **settings: Any) -> dict[str, Any]:
     """Return the demo's files, training the demo super model first when not cached.
@@ -140,7 +151,10 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
     if found is not None:
         return found
     (cache_dir / MANIFEST).unlink(missing_ok=True)
-    total_rounds = cfg.rounds + 1  # FedSM adds one selector calibration round
+    from engine.threads import use_free_cores
+
+    threads = use_free_cores()
+    total_rounds = cfg.rounds + 1  # FedSM adds one selector calibration round after the training rounds
     site_names = [f"site{k + 1}" for k in range(cfg.sites)]
 
     def relay(event: dict[str, Any]) -> None:
@@ -153,7 +167,7 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
             within = (k + event["batch"] / event["batches"]) / len(site_names)
             done = int(1000 * (event["round"] - 1 + within) / total_rounds)
             progress({"event": "progress", "done": done, "total": 1000,
-                      "message": f"Training the demo super model: round {event['round']} of {total_rounds}"})
+                      "message": progress_message(event["round"], cfg.rounds)})
         elif kind == "status":
             progress({"event": "progress", "done": 0, "total": 0, "message": event.get("message", "")})
 
@@ -173,6 +187,7 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
                   "report": str((cache_dir / "training" / "report.json").relative_to(cache_dir))},
         "bundle_sha256": report["supermodel"]["fedsm"]["sha256"],
         "validation_dice": report["methods"]["fedsm"]["extra"].get("val_dice", {}),
+        "torch_threads": threads,
     }
     write_text_atomic(cache_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     out = _paths(cache_dir, manifest)

@@ -11,6 +11,7 @@ from engine.tasks import TaskSpec
 METHOD_TITLES = {
     "centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
     "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
+    "blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2", "split-whitebox": "White-box split",
 }
 
 
@@ -137,6 +138,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                       f"its own site {_fmt(comp['personal_oracle']['client_average']['mean'])}."]
         if "selector" in extra:
             lines += _selector_lines(extra["selector"])
+    lines += _local_ood_lines(report, sites)
     lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:
@@ -153,6 +155,22 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             lines.append(f"- {METHOD_TITLES[name]}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
+
+
+def _local_ood_lines(report: dict[str, Any], sites: list[str]) -> list[str]:
+    """Per-site local / OOD Dice of the methods that report it (dialogue methods such as BlackFed)."""
+    rows = {n: r["extra"]["local_ood"] for n, r in report["methods"].items() if r.get("extra", {}).get("local_ood")}
+    if not rows:
+        return []
+    lines = ["", "## Local and out-of-distribution Dice", "",
+             "Each site's model (its client net with its server net) on its own test set (local) and "
+             "on the other sites' test sets (OOD, mean).", "",
+             "| method | " + " | ".join(f"{s} local | {s} OOD" for s in sites) + " |",
+             "|---" * (2 * len(sites) + 1) + "|"]
+    for name, per_site in rows.items():
+        cells = [f"{_fmt(per_site[s]['local'])} | {_fmt(per_site[s]['ood'])}" for s in sites]
+        lines.append(f"| {METHOD_TITLES.get(name, name)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:

@@ -61,6 +61,8 @@ class SimulationConfig:
     extra_rounds: int | None = None
     device: str = "auto"
     data_dir: str | None = None
+    #: Settings of dialogue methods, ``<family>_<name>`` (e.g. ``blackfed_client_epochs``).
+    options: dict[str, Any] = field(default_factory=dict)
     #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
     #: count and no synthetic data is made.
     datalists: tuple[str, ...] = ()
@@ -71,9 +73,10 @@ class SimulationConfig:
     selector_calibration: str = "none"
     selector_warmup: int = 0
     selector_epochs: int = 1
-    selector_bn: str = "running"
+    selector_bn: str = "batch"
     routing_guard: bool = True
     holdout_site: str | None = None
+    slices: int | None = None
     #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
     #: the bundle's ``extra["fundus_crop"]``) at inference; ``"none"``: photos used whole.
     fundus_crop: str = "none"
@@ -86,9 +89,12 @@ class SimulationConfig:
         if self.datalists:
             self.datalists = tuple(str(p) for p in self.datalists)
             self.sites = len(self.datalists)
-        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        unknown = [m for m in self.methods if m not in ALL_METHODS and m not in EXCHANGE_METHODS]
         if unknown:
-            raise ConfigError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
+            raise ConfigError(f"unknown method(s) {unknown}; choose from "
+                              f"{', '.join([*ALL_METHODS, *EXCHANGE_METHODS])}")
         if not self.methods:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
@@ -126,13 +132,14 @@ class SimulationConfig:
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
     """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
-    from engine.data.synth import existing_federation, generate_federation
+    from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 
     if cfg.datalists:
         log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
         return [Path(p) for p in cfg.datalists]
     data_dir = Path(cfg.data_dir) if cfg.data_dir else out_dir / "data"
-    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed)
+    slices = cfg.slices or DEFAULT_SLICES
+    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed, slices=slices)
     if found is not None:
         log.info("reusing synthetic data in %s", data_dir)
         return found
@@ -140,7 +147,7 @@ def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | No
     if progress:
         progress({"event": "status", "message": f"generating synthetic {cfg.task} data in {data_dir}"})
     return generate_federation(cfg.task, cfg.sites, data_dir, image_size=cfg.image_size, seed=cfg.seed,
-                               progress=(lambda msg: log.info(msg)))
+                               progress=(lambda msg: log.info(msg)), slices=slices)
 
 
 def _label_means(dice: np.ndarray, labels: tuple[str, ...]) -> dict[str, float]:
@@ -287,8 +294,11 @@ class Simulation:
                 lambda k, x: segment_with(self.task, weights, x, self.cfg.device))
             rounds, _ = self._round_summaries(records)
             zero = {"received_mean": 0.0, "sent_mean": 0.0, "received_total": 0.0, "sent_total": 0.0}
+            local_ood = self.cross_site_dice(lambda k, x: segment_with(self.task, weights, x, self.cfg.device),
+                                             shared=True)
             return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds,
-                                {s.name: dict(zero) for s in self.sites}, self._unseen_dice(weights),
+                                {s.name: dict(zero) for s in self.sites},
+                                {**self._unseen_dice(weights), "local_ood": local_ood},
                                 **self._selection(keeper, method))
 
         method = self._build_method(name)
@@ -302,12 +312,16 @@ class Simulation:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
             extra["cross_site"] = self._cross_site(models)
+            extra["local_ood"] = self.cross_site_dice(
+                lambda k, x: segment_with(self.task, models[k], x, self.cfg.device))
         elif name in ("fedsm", "fedsm-extra") or isinstance(method, FedSM):
             per_site, client_avg, pooled, extra = self._evaluate_supermodel(method, state, records)
         else:
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device))
             extra["bundle"] = self._single_model_bundle(name, state["global"], method.total_rounds)
+            extra["local_ood"] = self.cross_site_dice(
+                lambda k, x: segment_with(self.task, state["global"], x, self.cfg.device), shared=True)
             extra |= self._unseen_dice(state["global"])
         rounds, bytes_per_round = self._round_summaries(records)
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
@@ -361,7 +375,9 @@ class Simulation:
         from engine.fl.registry import build_exchange_method
 
         start = time.perf_counter()
-        method = build_exchange_method(name, self.task, [s.name for s in self.sites], asdict(self.cfg))
+        settings = asdict(self.cfg)
+        settings |= settings.pop("options")
+        method = build_exchange_method(name, self.task, [s.name for s in self.sites], settings)
         runtimes = self._runtimes()
         self._attach_round_hook(method, runtimes)
         state, records = run_exchange_rounds(method, runtimes, method.total_rounds, progress=self.progress,
@@ -370,9 +386,37 @@ class Simulation:
         per_site, client_avg, pooled = self._evaluate(predict)
         report_extra = getattr(method, "report_extra", None)
         extra = report_extra(state, runtimes) if report_extra is not None else {}
+        extra["local_ood"] = self.cross_site_dice(predict)
         rounds, bytes_per_round = self._round_summaries(records)
+        # no best-round selection for dialogue methods: the last round is evaluated
         return MethodResult(per_site, client_avg, pooled, time.perf_counter() - start, rounds, bytes_per_round,
-                            extra)
+                            extra, best_round=method.total_rounds)
+
+    def cross_site_dice(self, predict: Callable[[int, np.ndarray], np.ndarray],
+                        shared: bool = False) -> dict[str, dict[str, float]]:
+        """Per site ``k``: mean Dice on its own test set (``local``) and the mean over the other sites' (``ood``).
+
+        ``predict(k, images)`` segments as site ``k`` would (its own client net or model), so
+        ``ood`` says how site ``k``'s model does on data from elsewhere (BlackFed's Tables 2-3).
+        ``shared``: every site uses the same model (FedAvg's global), so each test set is segmented once.
+        """
+        from engine.fl.evaluation import dice_per_case
+
+        cache: dict[int, float] = {}
+
+        def score(k: int, j: int) -> float:
+            if shared and j in cache:
+                return cache[j]
+            test = self.sites[j].test
+            cache[j] = float(dice_per_case(predict(k, test.images), test.masks, test.case_ids).mean())
+            return cache[j]
+
+        out: dict[str, dict[str, float]] = {}
+        for k, site in enumerate(self.sites):
+            scores = [score(k, j) for j in range(len(self.sites))]
+            others = [s for j, s in enumerate(scores) if j != k]
+            out[site.name] = {"local": scores[k], "ood": float(np.mean(others)) if others else float("nan")}
+        return out
 
     def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
         """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""
@@ -533,7 +577,6 @@ class Simulation:
     # --- whole run -----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Run every configured method and write the report files and super model."""
-        from engine.bundle import save_bundle
         from engine.report import traffic_summary, write_reports
 
         started = time.perf_counter()
@@ -541,7 +584,11 @@ class Simulation:
         self.load_sites()
         results: dict[str, MethodResult] = {}
         bundles: dict[str, Any] = {}
-        for name in [m for m in ALL_METHODS if m in self.cfg.methods]:
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        order = [m for m in ALL_METHODS if m in self.cfg.methods]
+        order += [m for m in self.cfg.methods if m in EXCHANGE_METHODS and m not in order]
+        for name in order:
             log.info("method %s: %d rounds over %d sites", name, self.cfg.rounds, len(self.sites))
             if self.progress:
                 self.progress({"event": "method_start", "method": name})
@@ -564,7 +611,7 @@ class Simulation:
             entries = supermodel if name in files else global_models
             path = self.out_dir / file
             try:
-                digest = save_bundle(path, bundle)
+                digest = _save_any_bundle(path, bundle)
                 entries[name] = {"path": file, "sha256": digest, "bytes": path.stat().st_size}
             except Exception as exc:  # a full disk or a failing write: the report is still written
                 reason = _write_failure(exc)
@@ -602,6 +649,16 @@ def _write_failure(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror
     return f"{type(exc).__name__}: {exc}"
+
+
+def _save_any_bundle(path: Path, bundle: Any) -> str:
+    """Save a super model, single-model bundle, or a dialogue method's split-network bundle (BlackFed)."""
+    from engine.bundle import save_bundle
+    from engine.bundle.split import SplitBundle, save_split_bundle
+
+    if isinstance(bundle, SplitBundle):
+        return save_split_bundle(path, bundle)
+    return save_bundle(path, bundle)
 
 
 def _site_summary(site: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import Any
 
 import engine.api
+from fedsm_gui import __version__
 from fedsm_gui.controllers.demo import DemoController
 from fedsm_gui.controllers.federation import FederationController
 from fedsm_gui.controllers.overlay import OverlayController
@@ -23,6 +24,7 @@ from fedsm_gui.models.overlay import OverlayState
 from fedsm_gui.models.recent import RecentFiles
 from fedsm_gui.models.segmentation import SegmentationState
 from fedsm_gui.models.viewer import ViewerState
+from fedsm_gui.qt_libs import platform_problem
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class FedSMApp:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fedsm-gui", description="FedSM desktop app: study viewer with "
                                      "super-model segmentation, and a site's federation panel.")
+    parser.add_argument("--version", action="version", version=f"fedsm-gui {__version__}")
     parser.add_argument("path", nargs="?", help="a fundus photo, a NIfTI/MHA/NRRD volume or a DICOM folder to open")
     parser.add_argument("--demo", action="store_true", help="open the embedded demo (trains a small demo super "
                         "model on first start, about a minute on a CPU, then cached)")
@@ -110,6 +113,10 @@ DEMO_SETTINGS: dict[str, Any] = {}
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``fedsm-gui``."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    problem = platform_problem()
+    if problem is not None:  # Qt would abort with a message that does not name the packages
+        print(problem, file=sys.stderr, flush=True)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
 
 #: Analyses, in the order the runner does them (``tune``: :mod:`engine.bench.tuning`).
-ANALYSES = ("tune", "main", "lam", "unseen", "personalization")
+ANALYSES = ("tune", "main", "lam", "unseen", "personalization", "blackfed")
 
 
 def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
@@ -85,6 +85,11 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
         settings["softpull_lam"] = sweep_lam(lam_of(key.method))
     if key.analysis == "unseen":
         settings["unseen_site"] = preset.unseen_site
+    if key.analysis == "blackfed":
+        from engine.fl.blackfed import BlackFedConfig
+
+        settings["blackfed"] = asdict(BlackFedConfig())
+        settings["keep_best"] = False
     if key.analysis == "personalization":
         from engine.fl.personalization import PersonalizationConfig
 
@@ -314,6 +319,16 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
         return out
     if key.analysis == "personalization":
         out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False, lr=lr)
+        return out
+    if key.analysis == "blackfed":
+        from dataclasses import replace
+
+        from engine.bench.split_table import split_compute
+
+        # every method at its last round: BlackFed has no best-round selection
+        fair = replace(ctx, preset=replace(ctx.preset, keep_best=False))
+        out, _, _ = _train(fair, ctx.sites, key.method, key.seed, curves=False)
+        out["compute"] = split_compute(task, ctx.tp.image_size)
         return out
     from engine.errors import ConfigError
 

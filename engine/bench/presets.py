@@ -7,6 +7,9 @@ from typing import Any
 
 from engine.errors import ConfigError
 
+#: Methods of the BlackFed comparison (its paper's Tables 2-3), in table order.
+SPLIT_METHODS = ("local", "blackfed-v1", "blackfed-v2", "split-whitebox", "fedavg", "centralized")
+
 #: Methods of the main comparison (the paper's Table 3), in table order.
 MAIN_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra")
 
@@ -106,6 +109,11 @@ class BenchPreset:
     tune_rounds: int | None = None
     plateau_share: float = 0.2
     plateau_tolerance: float = 0.01
+    #: BlackFed comparison (:mod:`engine.bench.split_table`): its methods, seeds (empty = not run)
+    #: and tasks; every method is evaluated at its last round there.
+    split_methods: tuple[str, ...] = SPLIT_METHODS
+    split_seeds: tuple[int, ...] = ()
+    split_tasks: tuple[str, ...] = ("fundus",)
 
     def task(self, name: str) -> TaskPreset:
         """The :class:`TaskPreset` of task ``name``."""
@@ -136,7 +144,15 @@ PRESETS: dict[str, BenchPreset] = {
         description="The full study at CPU scale: 6 sites of unequal size per task, 3 seeds, few rounds",
         tasks=(TaskPreset("fundus", sites=6, image_size=48, rounds=6, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=32, rounds=5, slices=6, lam=0.3)),
-        seeds=(0, 1, 2), batch_size=8,
+        seeds=(0, 1, 2), batch_size=8, split_seeds=(0,),
+    ),
+    "blackfed": BenchPreset(
+        name="blackfed",
+        description="BlackFed's comparison alone (its paper's Tables 2-3 style): 4 fundus sites, 48 px, 6 rounds, "
+                    "seed 0; every method evaluated at its last round",
+        tasks=(TaskPreset("fundus", sites=4, image_size=48, rounds=6, lam=0.7),),
+        methods=(), seeds=(), lam_values=(), personalizations=(), analysis_seeds=(), perf=False, keep_best=False,
+        split_seeds=(0,),
     ),
     "cpu-converged": BenchPreset(
         name="cpu-converged",

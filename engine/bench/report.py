@@ -22,6 +22,7 @@ from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
 from engine.bench.presets import BenchPreset
 from engine.bench.runner import ALL_TASKS, machine_label, plan_jobs
+from engine.bench.split_table import split_section
 from engine.io.atomic import write_text_atomic
 from engine.tasks import get_task
 
@@ -508,6 +509,8 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
     lines += ["## Analyses"]
     for tp in preset.tasks:
         lines += _analysis_sections(results, preset, tp.task, img, docs)
+    for tp in preset.tasks:
+        lines += split_section(results, preset, tp.task)
     lines += _perf_section(results, docs)
     lines += ["", *_time_section(results, preset)]
     lines += ["", "## Configuration", "", "```json", json.dumps(preset.to_json(), indent=1), "```", ""]

@@ -63,6 +63,10 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
                 if abs(sweep_lam(lam) - main_lam) < 1e-9 and seed in preset.seeds:
                     continue
                 jobs.append(JobKey(tp.task, "lam", lam_label(lam), seed))
+    for seed in preset.split_seeds:
+        for tp in preset.tasks:
+            if tp.task in preset.split_tasks:
+                jobs += [JobKey(tp.task, "blackfed", m, seed) for m in preset.split_methods]
     return jobs
 
 

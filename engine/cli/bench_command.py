@@ -28,10 +28,11 @@ DOCS_PRESETS = ("cpu-small", "cpu-converged", "paper")
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``fedsm bench`` to the ``fedsm`` parser."""
     p = sub.add_parser("bench", help="benchmark the methods on synthetic multi-site data and write results.md")
-    p.add_argument("--preset", choices=["tiny", "cpu-small", "cpu-converged", "paper"], default="cpu-small",
+    p.add_argument("--preset", choices=["tiny", "cpu-small", "cpu-converged", "paper", "blackfed"],
+                   default="cpu-small",
                    help="tiny: CI smoke test (seconds); cpu-small: the full study on a CPU, few rounds (~20 min); "
                         "cpu-converged: trained to a plateau, lr tuned on validation (~3 h on 2 cores); "
-                        "paper: 256 px, 150 rounds, meant for a GPU")
+                        "paper: 256 px, 150 rounds, meant for a GPU; blackfed: BlackFed's Tables 2-3 alone")
     p.add_argument("--tasks", default=None, help="reduced run: only these tasks (comma-separated)")
     p.add_argument("--seeds", default=None, help="reduced run: only these main-comparison seeds (comma-separated)")
     p.add_argument("--methods", default=None, help="reduced run: only these main methods (comma-separated)")

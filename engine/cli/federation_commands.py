@@ -29,7 +29,10 @@ class StopFlag:
         if self._event.is_set() and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self._event.set()
-        print("stopping (press Ctrl-C again to interrupt at once)", file=sys.stderr)
+        if signum == signal.SIGINT:
+            print("stopping (press Ctrl-C again to interrupt at once)", file=sys.stderr)
+        else:  # SIGTERM: the desktop app's Leave, a service manager; there is no Ctrl-C to press
+            print("stopping: asked to leave; finishing the current step, then exiting", file=sys.stderr)
 
     def __call__(self) -> bool:
         return self._event.is_set()

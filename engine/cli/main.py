@@ -15,9 +15,11 @@ import importlib
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
+import engine
 from engine import api
-from engine.errors import CancelledError, FedSMError
+from engine.errors import CancelledError, ConfigError, FedSMError
 
 log = logging.getLogger("engine.cli")
 
@@ -32,8 +34,25 @@ def _methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip().lower() for m in text.split(",") if m.strip())
 
 
+def parse_options(items: list[str]) -> dict[str, Any]:
+    """``["blackfed_client_epochs=4", ...]`` -> ``{"blackfed_client_epochs": 4}`` (numbers parsed as JSON)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE, e.g. blackfed_client_epochs=4")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedsm", description="Federated super-model segmentation (FedSM).")
+    parser.add_argument("--version", action="version", version=f"fedsm {engine.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -49,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
-                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra")
+                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra; "
+                        "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lam", type=float, default=None,
@@ -68,16 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
     p.add_argument("--selector-epochs", type=int, default=1,
                    help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
-    p.add_argument("--selector-bn", choices=["running", "batch"], default="running",
-                   help="FedSM reference selector's BatchNorm during local training: running (federation) "
-                        "statistics, or each batch's as the reference's train mode (default running)")
+    p.add_argument("--selector-bn", choices=["running", "batch"], default="batch",
+                   help="FedSM reference selector's BatchNorm during local training: each batch's statistics "
+                        "as the reference's train mode (default), or the running (federation) statistics")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
+    p.add_argument("--slices", type=int, default=None,
+                   help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
                    help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", dest="options",
+                   help="a dialogue method's setting, e.g. blackfed_client_epochs=4 (repeatable)")
     p.add_argument("--prox-mu", type=float, default=0.01)
     p.add_argument("--extra-rounds", type=int, default=None,
                    help="FedSM-extra selector rounds (default: rounds/2 rounded up, as the paper's 100 + 50)")
@@ -110,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-choice", default="routed", metavar="routed|global|SITE",
                    help="routed (default: the selector picks per image), global, or a site's name (its "
                         "personalized model; also personal:SITE)")
+    p.add_argument("--site", default=None,
+                   help="BlackFed (split-network) bundles: whose client net to use; super models: use that "
+                        "site's personalized model instead of routing")
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -175,8 +202,9 @@ def _run(args: argparse.Namespace) -> int:
                     keep_best=args.keep_best,
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
-                    routing_guard=args.routing_guard, holdout_site=args.holdout_site,
-                    device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop)
+                    routing_guard=args.routing_guard, holdout_site=args.holdout_site, slices=args.slices,
+                    device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop,
+                    options=parse_options(args.options))
         finally:
             progress.close()
         print((args.out / "report.md").read_text(encoding="utf-8"))
@@ -188,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
         choice = args.model_choice.strip()
         force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
-                            mask_format=args.mask_format, force_model=force)
+                            mask_format=args.mask_format, force_model=args.site or force)
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "

@@ -148,6 +148,12 @@ class LabelConvention:
         return {int(v): f"label {int(v)}" for v in np.unique(label_map) if v != 0}
 
 
+def convention_from_name(path: PathLike) -> str | None:
+    """The convention a mask file's name identifies (Drishti-GS soft maps), else ``None``."""
+    name = Path(path).name
+    return "drishti" if _DRISHTI_DISC.search(name) or _DRISHTI_CUP.search(name) else None
+
+
 CONVENTIONS: dict[str, LabelConvention] = {c.name: c for c in (
     LabelConvention("origa", "ORIGA style, one map: 0 background, 1 disc rim, 2 cup (disc = >=1, cup = 2)",
                     ("fundus",),

@@ -74,7 +74,7 @@ _FEDERATION_KEYS = {"sites", "address", "work_dir", "min_sites", "round_timeout"
                     "keep_checkpoints"}
 _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
-              "runtime_port"}
+              "runtime_port", "share_activations"}
 _SECURITY_KEYS = {"ca_cert", "private_key", "approved_apps"}
 
 
@@ -274,6 +274,9 @@ class SiteConfig:
     threads: int = 0
     poll_interval: float = 0.2
     runtime_port: int = 0
+    #: The operator agreed that split-learning methods (BlackFed) may send activations of this
+    #: site's images and their masks to the coordinator ([site] share_activations = true).
+    share_activations: bool = False
     #: the ``[bounds]`` table as written (checked by :meth:`engine.security.run_spec.SiteBounds.from_dict`)
     bounds: dict[str, Any] = field(default_factory=dict)
 
@@ -286,6 +289,7 @@ class SiteConfig:
             "private_key": str(self.private_key) if self.private_key else None,
             "approved_apps": list(self.approved_apps), "device": self.device, "threads": self.threads,
             "poll_interval": self.poll_interval, "runtime_port": self.runtime_port,
+            "share_activations": self.share_activations,
         }
 
 
@@ -349,6 +353,7 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         approved_apps=approved_apps, device=device, threads=threads,
         poll_interval=_positive(float(_get(site, "poll_interval", (int, float), where, 0.2)), "poll_interval", where),
         runtime_port=_port(_get(site, "runtime_port", int, where, 0), "runtime_port", where),
+        share_activations=_get(site, "share_activations", bool, where, False),
         bounds=dict(bounds),
     )
     if check_files:

@@ -13,7 +13,7 @@ The compute device is not part of it: each site chooses its own in ``site.toml``
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine.errors import ConfigError
@@ -51,6 +51,9 @@ class MethodSpec:
     routing_guard: bool = True
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = "none"
+    #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
+    #: ``[training]`` they are written as top-level keys with that prefix.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
@@ -58,9 +61,11 @@ class MethodSpec:
         from engine.tasks import get_task
 
         get_task(self.task)
-        if self.method not in FEDERATION_METHODS:
+        from engine.fl.registry import EXCHANGE_METHODS
+
+        if self.method not in FEDERATION_METHODS and self.method not in EXCHANGE_METHODS:
             raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
-                              f"{', '.join(FEDERATION_METHODS)}")
+                              f"{', '.join([*FEDERATION_METHODS, *EXCHANGE_METHODS])}")
         names = tuple(self.site_names)
         for name in names:
             check_site_name(name)
@@ -114,6 +119,11 @@ class MethodSpec:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> MethodSpec:
         known = {f.name for f in fields(cls)}
+        family = str(raw.get("method", "")).split("-")[0] + "_"
+        options = {k: raw[k] for k in raw if k.startswith(family) and k not in known}
+        raw = {k: v for k, v in raw.items() if k not in options}
+        if options:
+            raw["options"] = {**dict(raw.get("options") or {}), **options}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(f"unknown training setting(s) {unknown}; known: {sorted(known)}")
@@ -143,11 +153,15 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
     from engine.fl import methods as m
     from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
     from engine.fl.selector_training import default_selector_lr
     from engine.tasks import get_task
 
     task = get_task(spec.task)
     names = list(spec.site_names)
+    if spec.method in EXCHANGE_METHODS:
+        settings = {k: v for k, v in asdict(spec).items() if k != "options"} | dict(spec.options) | {"device": device}
+        return build_exchange_method(spec.method, task, names, settings)
     # FedSM-extra keeps the per-batch selector (and its small lr); FedSM's depends on the calibration
     scheme = "lda" if spec.method == "fedsm-extra" else spec.selector_calibration
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,

@@ -105,6 +105,9 @@ class ExchangeMethod(ABC):
     REPLY_CONTENTS: ClassVar[dict[str, str]] = {}
     #: Tensor names the coordinator may send, each with what it is.
     REQUEST_CONTENTS: ClassVar[dict[str, str]] = {}
+    #: Whether replies carry data derived from the site's images (activations, masks) rather than
+    #: weights or statistics; a network site answers such a method only if its operator agreed.
+    SHARES_ACTIVATIONS: ClassVar[bool] = False
 
     def __init__(self, task: TaskSpec, site_names: list[str], seed: int = 0, rounds: int = 1) -> None:
         if rounds < 1:

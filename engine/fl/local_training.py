@@ -19,10 +19,10 @@ Choices that matter:
   gradient summed over the local pass, Adam moments averaged on the server). The older
   per-batch scheme (``--selector-calibration lda``) takes a step per batch at a 100x smaller
   step size and calibrates the last layer in closed form afterwards
-  (:mod:`engine.fl.selector_calibration`). In both, the selector's BatchNorm layers normalise
+  (:mod:`engine.fl.selector_calibration`). The per-batch scheme's BatchNorm layers normalise
   with their running statistics during local training instead of the single-site batch
-  statistics (batch statistics of one site would subtract exactly the site's colour cast the
-  selector must see, and make local training and inference disagree).
+  statistics; the reference scheme uses batch statistics as the reference does
+  (``selector_bn``; measured to keep the selector unsure of sites it has not seen).
 """
 
 from __future__ import annotations
@@ -119,9 +119,12 @@ class LocalTrainingConfig:
         Reference scheme: passes over the site's images per round, one Adam step after each
         (the reference's ``fedsm_select_epochs``, default 1: one step per round).
     selector_bn
-        Reference scheme: ``"running"`` (default) normalises the selector's BatchNorm layers with
-        their running (federation-averaged) statistics during local training; ``"batch"`` with
-        each batch's own statistics, as the reference's ``train()`` mode does.
+        Reference scheme: ``"batch"`` (default) normalises the selector's BatchNorm layers with
+        each batch's own statistics during local training, as the reference's ``train()`` mode
+        does; ``"running"`` with their running (federation-averaged) statistics. Measured
+        (docs/results.md, "Selector (leave-one-site-out)"): with ``"running"`` the selector is
+        sure (confidence 1.000) of unseen images too; with ``"batch"`` it is not. The per-batch
+        ``lda`` scheme always uses the running statistics.
     prox_mu
         FedProx proximal coefficient (0 = off).
     lr_schedule
@@ -147,7 +150,7 @@ class LocalTrainingConfig:
     selector_head: str = "gap"
     selector_optimizer: str = "adam"
     selector_epochs: int = 1
-    selector_bn: str = "running"
+    selector_bn: str = "batch"
     prox_mu: float = 0.0
     device: str = "auto"
     lr_schedule: str = "constant"

@@ -414,6 +414,11 @@ class FedSM(FederatedMethod):
     def total_rounds(self) -> int:
         return self.selector_warmup + self.rounds + 1
 
+    @property
+    def last_training_round(self) -> int:
+        """The last round of Algorithm 1 (after the selector warm-up rounds)."""
+        return self.selector_warmup + self.rounds
+
     def phase(self, rnd: int) -> str:
         """``"selector"`` (warm-up), ``"train"`` (Algorithm 1) or ``"calibrate"`` (validation Dice and
         selector statistics, last round)."""

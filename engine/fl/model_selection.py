@@ -105,7 +105,7 @@ class BestRoundKeeper:
         return {n: state[f"personal/{n}"] for n in names if f"personal/{n}" in state}
 
     def __call__(self, method: Any, rnd: int, state: Mapping[str, Any], runtimes: Sequence[Any]) -> None:
-        if rnd > getattr(method, "rounds", rnd):
+        if not is_training_round(method, rnd):
             return  # selector / calibration rounds leave the U-Nets unchanged
         started = time.perf_counter()
         self._score(method, rnd, state, runtimes)
@@ -174,6 +174,19 @@ class BestRoundKeeper:
         return out
 
 
+def last_training_round(method: Any) -> int:
+    """The round after which the kept weights replace the trained ones (FedSM's warm-up rounds come first)."""
+    return int(getattr(method, "last_training_round", getattr(method, "rounds", 0)))
+
+
+def is_training_round(method: Any, rnd: int) -> bool:
+    """Whether round ``rnd`` trains the U-Nets (not a selector warm-up, selector or calibration round)."""
+    phase = getattr(method, "phase", None)
+    if phase is not None:
+        return bool(phase(rnd) == "train")
+    return rnd <= last_training_round(method)
+
+
 def attach_best_round(method: Any, runtimes: Sequence[Any], keeper: BestRoundKeeper) -> None:
     """Wrap ``method.aggregate``: score every training round, swap in the best weights after the last one."""
     aggregate = method.aggregate
@@ -181,7 +194,7 @@ def attach_best_round(method: Any, runtimes: Sequence[Any], keeper: BestRoundKee
     def aggregate_and_keep(state: dict[str, Any], rnd: int, updates: Any) -> dict[str, Any]:
         new = aggregate(state, rnd, updates)
         keeper(method, rnd, new, runtimes)
-        if rnd == method.rounds:
+        if rnd == last_training_round(method):
             new = keeper.substitute(method, new, runtimes)
         keeper.final_state = new
         return new

@@ -23,7 +23,11 @@ if TYPE_CHECKING:
     from engine.tasks import TaskSpec
 
 #: Dialogue method name -> ``"module:factory"``.
-EXCHANGE_METHODS: dict[str, str] = {}
+EXCHANGE_METHODS: dict[str, str] = {
+    "blackfed-v1": "engine.fl.blackfed:build_blackfed",
+    "blackfed-v2": "engine.fl.blackfed:build_blackfed",
+    "split-whitebox": "engine.fl.split_whitebox:build_split_whitebox",
+}
 
 
 def build_exchange_method(name: str, task: TaskSpec, site_names: list[str],

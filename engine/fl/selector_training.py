@@ -161,9 +161,10 @@ def reference_selector_round(
     net = build_selector(task.in_channels, num_classes, cfg.selector_head)  # type: ignore[arg-type]
     net.load_state_dict(selector_weights)
     net.to(device.torch_device).train()
-    if cfg.selector_bn == "running":
+    if cfg.selector_bn == "running" or len(images) < 2:  # one image has no batch statistics
         freeze_batchnorm_statistics(net)
-    # "batch": the reference's train mode, BatchNorm normalises with each single-site batch's statistics
+    # "batch" (default): the reference's train mode, BatchNorm normalises with each single-site batch's
+    # statistics and updates the running ones, which FedAvg then averages across sites
     small = selector_inputs(images, cfg.selector_size)
     targets = torch.from_numpy(np.asarray(labels, dtype=np.int64))
     state: Weights = dict(optimizer_state)
@@ -171,6 +172,9 @@ def reference_selector_round(
     steps = 0
     for epoch in range(cfg.selector_epochs):
         batches = batch_order(len(small), cfg.batch_size, 1, seed + epoch)
+        if len(batches) > 1 and len(batches[-1]) == 1:
+            # a lone last image has no batch statistics (VGG's last maps are 1x1): it joins the batch before
+            batches = [*batches[:-2], np.concatenate(batches[-2:])]
         net.zero_grad(set_to_none=True)
         for i, idx in enumerate(batches, start=1):
             ctx.check_cancel()

@@ -31,6 +31,7 @@ from engine.data.preprocess import (
 )
 from engine.errors import ConfigError, DataError
 from engine.inference.device import resolve_device
+from engine.inference.postprocess import clean_fundus_masks
 from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
 from engine.inference.routing import check_gamma
 from engine.io.provenance import ImageRecord, Provenance, utc_now
@@ -90,9 +91,13 @@ def load_predictor(bundle_path: PathLike, device: str = "auto") -> LoadedBundle:
     DeviceError, ConfigError
         When the device is unavailable or unknown.
     """
+    from engine.threads import use_free_cores
+
     path = Path(bundle_path)
     sha = _bundle_sha256(path)
     torch_device, _ = resolve_device(device)
+    if torch_device.type == "cpu":
+        use_free_cores()  # CPU inference on a shared machine: only the cores that are free
     key = (sha, str(torch_device))
     with _lock:
         predictor = _predictors.get(key)
@@ -100,7 +105,15 @@ def load_predictor(bundle_path: PathLike, device: str = "auto") -> LoadedBundle:
             _predictors.move_to_end(key)
             return LoadedBundle(predictor, sha, path.name)
     # Built outside the lock: loading takes seconds and must not block other lookups.
-    predictor = SuperModelPredictor(load_bundle(path), device=str(torch_device))
+    from engine.bundle.split import is_split_bundle
+
+    if is_split_bundle(path):  # BlackFed: a client net per site and the server net
+        from engine.bundle.split import load_split_bundle
+        from engine.inference.split_predictor import SplitPredictor
+
+        predictor = SplitPredictor(load_split_bundle(path), device=str(torch_device))  # type: ignore[assignment]
+    else:
+        predictor = SuperModelPredictor(load_bundle(path), device=str(torch_device))
     with _lock:
         _predictors[key] = predictor
         _predictors.move_to_end(key)
@@ -311,7 +324,10 @@ def segment_with(
         progress=progress, cancel=cancel,
     )
     if study.kind == "photo":
-        label = masks_to_label_map(task, prediction.masks[0])
+        masks = prediction.masks[0]
+        if task.name == "fundus":
+            masks = clean_fundus_masks(masks)  # largest component, holes filled, cup inside the disc
+        label = masks_to_label_map(task, masks)
         if box is not None:  # the crop's mask back into a full-size map, background outside the crop
             full = np.zeros(np.asarray(study.array).shape[:2], dtype=label.dtype)
             full[box.slices()] = label

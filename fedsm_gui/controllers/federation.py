@@ -39,7 +39,7 @@ _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 _STATUS_TEXT = {
     "idle": "Not joined", "starting": "Starting the site …", "connected": "Connected",
     "reconnecting": "Connection lost — reconnecting …", "disconnected": "Disconnected",
-    "finished": "Federation finished", "failed": "Site stopped with an error", "stopped": "Left the federation",
+    "finished": "Run finished", "failed": "Site stopped with an error", "stopped": "Left the federation",
 }
 
 
@@ -54,7 +54,7 @@ def _text(value: Any) -> str:
 def setup_from_config(config: dict[str, Any], path: str) -> SiteSetup:
     """Form fields from a site configuration as :func:`engine.api.read_site_config` returns it."""
     values = {f: next((_text(config[k]) for k in keys if k in config), "") for f, keys in _CONFIG_KEYS.items()}
-    return SiteSetup(config_path=path, **values)
+    return SiteSetup(config_path=path, share_activations=bool(config.get("share_activations", False)), **values)
 
 
 def site_toml(setup: SiteSetup) -> str:
@@ -69,6 +69,8 @@ def site_toml(setup: SiteSetup) -> str:
     for key, value in (("name", setup.site_name), ("coordinator", setup.coordinator), ("task", setup.task),
                        ("datalist", setup.datalist)):
         lines.append(f"{key} = {quoted(value.strip())}")
+    if setup.share_activations:  # confirmed in the app: BlackFed's activations and masks may leave the site
+        lines.append("share_activations = true")
     security = [(key, value.strip()) for key, value in (("ca_cert", setup.ca_cert), ("private_key", setup.site_key))
                 if value.strip()]
     hashes = [h.strip() for h in setup.app_hash.split(",") if h.strip()]
@@ -168,6 +170,9 @@ class FederationController:
         """One form field changed."""
         if not hasattr(self.state.setup, field):
             raise ValueError(f"unknown site setup field {field!r}")
+        if field == "share_activations":
+            self.state.setup.share_activations = value == "true"
+            return
         setattr(self.state.setup, field, value)
         if field == "config_path":
             self._push_setup()
@@ -248,6 +253,7 @@ class FederationController:
     def leave(self) -> None:
         """Stop the site process: terminate, then kill when it does not exit in time."""
         if self.process.running:
+            self.state.note("Leave pressed: asking the site process to stop (killed if it has not exited in 5 s)")
             self.process.stop()
 
     # --- state -> view -------------------------------------------------------------------
@@ -261,7 +267,7 @@ class FederationController:
                 text += f" (reconnected {s.reconnects}×)"
             if s.error:
                 text += f" — {s.error}"
-            self.view.set_status(s.status, text, s.running)
+            self.view.set_status(s.status, text, s.running or self.process.running)
         if PROGRESS in parts or STATUS in parts:
             self.view.set_progress(s.round, s.rounds, s.batch, s.batches)
         if METRICS in parts:

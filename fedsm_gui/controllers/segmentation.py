@@ -13,7 +13,6 @@ from fedsm_gui.controllers.errors import is_cancelled, user_message
 from fedsm_gui.controllers.runners import TaskHandle, TaskRunner
 from fedsm_gui.controllers.study import progress_pair
 from fedsm_gui.models.display import Slicer
-from fedsm_gui.models.measurements import vertical_cup_to_disc
 from fedsm_gui.models.overlay import MODEL_LAYER, REFERENCE_LAYER, OverlayState
 from fedsm_gui.models.segmentation import DONE, NO_MODEL, RUNNING, SegmentationState
 from fedsm_gui.models.viewer import ViewerState
@@ -68,7 +67,10 @@ class SegmentationController:
         self.view.set_gamma(s.gamma, s.uses_gamma)
         if s.device is not None:
             self.view.set_device(f"{s.device.get('device', '?')} — {s.device.get('reason', '')}".rstrip(" —"))
-        self.view.set_models(s.model_names, s.forced_model)
+        if s.chooses_site:
+            self.view.set_models(s.model_names, s.forced_model, choose_site=True)
+        else:
+            self.view.set_models(s.model_names, s.forced_model)
         can_run = s.metadata is not None and self.viewer.study is not None and s.status != RUNNING
         self.view.set_run_state(s.status, *s.progress, s.message, can_run)
         self.show_current()
@@ -101,7 +103,7 @@ class SegmentationController:
         values = []
         for key in (MODEL_LAYER, REFERENCE_LAYER):
             layer = self.overlays.layers.get(key)
-            values.append(vertical_cup_to_disc(layer.labels.array, layer.labels.names) if layer else None)
+            values.append(self.api.cup_to_disc_ratio(layer.labels.array, layer.labels.names) if layer else None)
         self.view.set_cup_to_disc(*values)
 
     def _study_changed(self) -> None:
@@ -144,7 +146,10 @@ class SegmentationController:
         self.tasks.submit(job, on_done=done, on_error=failed)
 
     def force_model(self, model: str) -> None:
-        """Route every slice to ``model`` in the next run (``""``: let the selector choose)."""
+        """Route every slice to ``model`` in the next run (``""``: let the selector choose).
+
+        For a BlackFed bundle ``model`` is the site whose client net segments.
+        """
         self.state.set_forced_model(model or None)
 
     # --- run -----------------------------------------------------------------------------
@@ -178,7 +183,10 @@ class SegmentationController:
                 return
             self._result_study = study
             self.state.finish(result)
-            routed = "forced: " + self.state.forced_model if self.state.forced_model else "routed"
+            if self.state.chooses_site:
+                routed = f"client net of {self.state.forced_model}"
+            else:
+                routed = "forced: " + self.state.forced_model if self.state.forced_model else "routed"
             self.overlays.set_layer(MODEL_LAYER, result.labels, title=f"model ({routed})", outline=False,
                                     slicer=slicer)
             self.main.show_status(f"Segmented on {result.device}")

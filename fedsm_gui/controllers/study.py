@@ -144,7 +144,7 @@ class StudyController:
         target = Path(path)
         self.main.set_busy(f"Opening mask {target.name} …")
         def job(progress: Callable[[dict[str, Any]], None], cancel: Callable[[], bool]) -> tuple[LabelMap, Slicer]:
-            labels = self.api.open_mask(target, study)
+            labels = self.api.open_mask(target, study, "auto")  # Drishti soft maps: one binarised map
             slicer = Slicer(labels.array, labels.array.ndim == 3)
             slicer.label_values()  # counted here, off the GUI thread
             return labels, slicer

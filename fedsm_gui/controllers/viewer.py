@@ -57,6 +57,7 @@ class ViewerController:
         view.fit_requested.connect(self.fit)
         view.photo_adjust_requested.connect(self.adjust_photo)
         view.green_toggled.connect(self.toggle_green)
+        view.hover_requested.connect(self.hover)
         self._on_study()
 
     # --- state -> view -------------------------------------------------------------------
@@ -190,6 +191,37 @@ class ViewerController:
     def adjust_photo(self, brightness: float, contrast: float) -> None:
         """Photo brightness and contrast (sliders)."""
         self.state.set_photo_adjustment(brightness=brightness, contrast=contrast)
+
+    def hover(self, view: str, row: float, col: float) -> None:
+        """Show what lies under the pointer: voxel, world position (RAS mm), value and labels."""
+        self.view.set_readout(self.readout(view, row, col))
+
+    def readout(self, view: str, row: float, col: float) -> str:
+        """The readout text for slice position ``(row, col)`` of ``view`` (``""`` off the slice)."""
+        study = self.state.study
+        if study is None or row < 0 or col < 0:
+            return ""
+        r, c = math.floor(row), math.floor(col)
+        if view == PHOTO_VIEW:
+            if not (0 <= r < study.shape[0] and 0 <= c < study.shape[1]):
+                return ""
+            index: tuple[int, ...] = (r, c)
+            rgb = ", ".join(str(int(v)) for v in np.atleast_1d(study.array[r, c]))
+            text = f"x {c}  y {r}   RGB ({rgb})"
+        else:
+            index = display_to_voxel(view, self.state.slice_index(view), r, c, study.shape)
+            if not all(0 <= i < n for i, n in zip(index, study.shape, strict=True)):
+                return ""
+            world = np.asarray(study.affine, dtype=float) @ np.array([*index, 1.0])
+            value = float(study.array[index])
+            text = (f"voxel ({', '.join(map(str, index))})   R {world[0]:.1f}  A {world[1]:.1f}  S {world[2]:.1f} mm"
+                    f"   value {value:.6g}")
+        for key, layer in self.overlays.layers.items():
+            label = int(layer.labels.array[index])
+            if label:
+                style = layer.styles.get(label)
+                text += f"   {key}: {style.name if style else label}"
+        return text
 
     def toggle_green(self, on: bool) -> None:
         """Show the green channel only (fundus red-free view)."""

@@ -54,8 +54,22 @@ DEFAULT_COLOURS: tuple[tuple[int, int, int], ...] = (
 
 
 def default_colour(label: int) -> tuple[int, int, int]:
-    """Colour of label value ``label`` (>= 1) when the user has not chosen one."""
-    return DEFAULT_COLOURS[(int(label) - 1) % len(DEFAULT_COLOURS)]
+    """Colour of label value ``label`` (>= 1) when the user has not chosen one.
+
+    Labels 1-12 take ITK-SNAP's first colours; later labels step the hue by the golden angle
+    with three saturation/value levels, so no two labels of 1..255 share a colour (label maps
+    such as TotalSegmentator's hold over a hundred structures).
+    """
+    n = int(label)
+    if 1 <= n <= len(DEFAULT_COLOURS):
+        return DEFAULT_COLOURS[n - 1]
+    import colorsys
+
+    k = n - len(DEFAULT_COLOURS)
+    hue = (k * 0.381966) % 1.0  # golden angle: each new hue falls in the largest gap so far
+    saturation, value = ((0.85, 0.95), (0.55, 1.0), (0.95, 0.7))[k % 3]
+    r, g, b = colorsys.hsv_to_rgb(hue, saturation, value)
+    return round(r * 255), round(g * 255), round(b * 255)
 
 
 def display_slice(array: np.ndarray, view: str, index: int) -> np.ndarray:

@@ -35,6 +35,9 @@ class SiteSetup:
     datalist: str = ""
     app_hash: str = ""
     config_path: str = ""
+    #: The operator confirmed BlackFed's threat model: split-learning runs may send activations of
+    #: this site's images and their masks to the coordinator (``[site] share_activations``).
+    share_activations: bool = False
 
 
 @dataclass
@@ -68,9 +71,14 @@ def format_bytes(n: float) -> str:
 
 def describe_contents(direction: str, contents: dict[str, Any]) -> str:
     """Human summary of a ledger entry's contents, e.g. ``"global 84 tensors; 10 samples; metrics: loss"``."""
+    def item(group: str, value: Any) -> str:
+        # weight parts carry a tensor count; a dialogue method's tensors (BlackFed) say what they are
+        return f"{group}: {value} tensors" if isinstance(value, int | float) else f"{group} ({value})"
+
     if direction == "received":
-        return "; ".join(f"{group}: {n} tensors" for group, n in contents.items()) or "nothing"
-    parts = [f"{group}: {n} tensors" for group, n in dict(contents.get("tensors", {})).items()]
+        groups = contents.get("tensors", contents) if isinstance(contents.get("tensors"), dict) else contents
+        return "; ".join(item(group, n) for group, n in groups.items()) or "nothing"
+    parts = [item(group, n) for group, n in dict(contents.get("tensors", {})).items()]
     if "num_examples" in contents:
         parts.append(f"sample count {contents['num_examples']}")
     metrics = list(contents.get("metrics", []))
@@ -143,6 +151,7 @@ class FederationState:
         self.log: deque[str] = deque(maxlen=MAX_LOG_LINES)
         self.log_total = 0  # lines ever logged, so a view can append only the new ones
         self.reconnects = 0
+        self.run_complete = False  # the site has sent its answer of the last round
 
     @property
     def running(self) -> bool:
@@ -166,6 +175,11 @@ class FederationState:
         self._log(f"starting: {' '.join(command)}")
         self.changed.emit({STATUS, PROGRESS, METRICS, LEDGER, LOG})
 
+    def note(self, text: str) -> None:
+        """Add an operator action to the log (e.g. Leave pressed)."""
+        self._log(text)
+        self.changed.emit({LOG})
+
     def process_ended(self, exit_code: int, stopped_by_user: bool) -> None:
         """The site process exited (on its own or because Leave was pressed)."""
         if stopped_by_user:
@@ -174,7 +188,7 @@ class FederationState:
         elif self.status == FINISHED:
             self._log(f"site process exited ({exit_code})")
         elif exit_code == 0:
-            self.status = FINISHED if self.round and self.round >= self.rounds else STOPPED
+            self.status = FINISHED if self.run_complete or (self.round and self.round >= self.rounds) else STOPPED
             self._log("site process exited")
         else:
             self.status = FAILED
@@ -209,7 +223,10 @@ class FederationState:
             self.status, self.coordinator = CONNECTED, str(event.get("coordinator", ""))
             parts.add(STATUS)
         elif kind == "disconnected":
-            self.status = RECONNECTING if event.get("reconnecting") else DISCONNECTED
+            if self.status != FINISHED and not self.run_complete:
+                self.status = RECONNECTING if event.get("reconnecting") else DISCONNECTED
+            else:  # the coordinator closes the connection once the last round is in: the run is over
+                self.status = FINISHED
             parts.add(STATUS)
         elif kind in ("round_start", "received", "round_end") and "round" in event:
             self.round = int(event["round"])
@@ -219,6 +236,8 @@ class FederationState:
                 self.batch, self.batches = 0, 0
             if kind == "round_end" and self.batches:
                 self.batch = self.batches
+            if kind == "round_end" and self.rounds and self.round >= self.rounds:
+                self.run_complete = True
             parts |= {STATUS, PROGRESS}
             if kind == "received":
                 self.ledger.append(LedgerEntry(self.round, "received", int(event.get("bytes", 0)),

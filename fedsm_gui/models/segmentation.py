@@ -61,11 +61,17 @@ class SegmentationState:
         """A super model is loaded: its gamma becomes the slider's value."""
         self.bundle_path = Path(path)
         self.metadata = dict(metadata)
-        self.gamma = float(metadata.get("gamma", 0.5))
+        self.gamma = float(metadata.get("gamma") or 0.5)
         self.status = READY
         self.message = ""
-        self.forced_model = None
+        # a split-network (BlackFed) bundle has no selector: one site's client net must be chosen
+        self.forced_model = self.model_names[0] if self.chooses_site and self.model_names else None
         self.changed.emit()
+
+    @property
+    def chooses_site(self) -> bool:
+        """Whether the bundle is a split network (BlackFed): the user picks whose client net segments."""
+        return bool(self.metadata) and self.metadata.get("routing") == "site"  # type: ignore[union-attr]
 
     @property
     def model_names(self) -> list[str]:
@@ -74,6 +80,8 @@ class SegmentationState:
             return []
         if self.metadata.get("routing") == "none":  # single-model bundle (FedAvg, FedProx, Scaffold)
             return ["global"]
+        if self.chooses_site:
+            return list(self.metadata.get("site_names", []))
         return ["global", *self.metadata.get("site_names", [])]
 
     @property
@@ -90,6 +98,8 @@ class SegmentationState:
         """Segment every slice with ``model`` (``None`` = route with the selector)."""
         if model is not None and model not in self.model_names:
             raise ValueError(f"unknown model {model!r}; the bundle has {self.model_names}")
+        if model is None and self.chooses_site:
+            raise ValueError("a split-network (BlackFed) bundle needs a site's client net; choose a site")
         self.forced_model = model
         self.changed.emit()
 

@@ -40,6 +40,7 @@ class ViewerView:
     fit_requested = Intent()
     photo_adjust_requested = Intent("brightness: float", "contrast: float")
     green_toggled = Intent("on: bool")
+    hover_requested = Intent("view: str", "row: float (-1: off the slice)", "col: float")
 
     def set_views(self, views: Sequence[str], message: str = "") -> None:
         """Show these views (``()``: the empty state with ``message``)."""
@@ -61,6 +62,10 @@ class ViewerView:
 
     def set_photo_controls(self, brightness: float, contrast: float, green_only: bool) -> None:
         """Current photo adjustment."""
+        raise NotImplementedError
+
+    def set_readout(self, text: str) -> None:
+        """What lies under the pointer: position, value, label (``""``: nothing)."""
         raise NotImplementedError
 
 
@@ -111,8 +116,8 @@ class SegmentationView:
         """Where inference runs (e.g. ``"cpu — no CUDA GPU found"``)."""
         raise NotImplementedError
 
-    def set_models(self, names: Sequence[str], forced: str | None) -> None:
-        """Models that can be forced and the one currently forced."""
+    def set_models(self, names: Sequence[str], forced: str | None, choose_site: bool = False) -> None:
+        """Models that can be forced and the one currently forced (``choose_site``: a BlackFed bundle's sites)."""
         raise NotImplementedError
 
     def set_run_state(self, status: str, done: int, total: int, message: str, can_run: bool) -> None:
@@ -128,8 +133,12 @@ class SegmentationView:
         """Values of the current image/slice (``None``: no result yet); ``reason``: why this model."""
         raise NotImplementedError
 
-    def set_cup_to_disc(self, model_value: float | None, reference_value: float | None) -> None:
-        """Vertical cup-to-disc ratio from the model's mask (and the reference mask), fundus only."""
+    def set_cup_to_disc(self, model_value: Any, reference_value: Any) -> None:
+        """Vertical cup-to-disc ratio of the model's and the reference mask (fundus only).
+
+        Each is ``None`` or an ``engine.api.cup_to_disc_ratio`` result (``value``, ``trusted``,
+        ``reason``).
+        """
         raise NotImplementedError
 
     def set_export_name(self, name: str) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QCheckBox,
     QComboBox,
     QFileDialog,
     QFormLayout,
@@ -16,6 +17,7 @@ from PySide6.QtWidgets import (
     QHeaderView,
     QLabel,
     QLineEdit,
+    QMessageBox,
     QPlainTextEdit,
     QProgressBar,
     QPushButton,
@@ -27,6 +29,7 @@ from PySide6.QtWidgets import (
 )
 
 from fedsm_gui.models.federation import MAX_LOG_LINES, describe_contents, format_bytes
+from fedsm_gui.views.elided_label import ElidedLabel
 from fedsm_gui.views.plot import RoundPlot
 
 #: Form fields: (attribute, label, browse filter or None).
@@ -38,6 +41,14 @@ _FIELDS = (
     ("datalist", "Datalist", "Datalist (*.json);;All files (*)"),
     ("app_hash", "Approved app hash", None),
 )
+#: What the operator confirms before a BlackFed run may use this site (docs/federation.md, split learning).
+SHARE_ACTIVATIONS_WARNING = (
+    "BlackFed trains a network split between this site and the coordinator. Unlike FedSM, it sends the "
+    "coordinator, for every training batch, the output of this site's first two convolution layers on your "
+    "images (activations, from which images can largely be reconstructed) together with the expert masks. "
+    "The coordinator never sends weights or gradients back, and your client network stays here.\n\n"
+    "Allow split-learning runs on this site's data? (Saved as share_activations = true in site.toml; the site "
+    "refuses BlackFed runs without it.)")
 _STATUS_COLOURS = {"connected": "#2a2", "starting": "#c90", "reconnecting": "#c90", "finished": "#27c",
                    "failed": "#c33", "disconnected": "#c33"}
 
@@ -84,10 +95,8 @@ class FederationPanel(QWidget):
         form.insertRow(4, "Task", self.task)
         self.fields["app_hash"].setToolTip("SHA-256 of the federated app this site agreed to run; the site "
                                            "refuses any other code")
-        self.local_hash = QLabel("")
+        self.local_hash = ElidedLabel("")
         self.local_hash.setObjectName("local-app-hash")
-        self.local_hash.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.local_hash.setWordWrap(True)
         self.use_hash = QPushButton("This installation's app hash…")
         self.use_hash.setToolTip("Show the hash of the federated app this installation runs; compare it with the "
                                  "one the coordinator announces, then approve it")
@@ -96,6 +105,12 @@ class FederationPanel(QWidget):
         hash_row.addWidget(self.local_hash, 1)
         hash_row.addWidget(self.use_hash)
         form.addRow("", hash_row)
+        self.share_activations = QCheckBox("Allow split-learning runs (BlackFed)")
+        self.share_activations.setObjectName("field-share_activations")
+        self.share_activations.setToolTip(SHARE_ACTIVATIONS_WARNING)
+        self.share_activations.clicked.connect(self._share_activations_clicked)
+        self.setup_buttons.append(self.share_activations)  # type: ignore[arg-type]
+        form.addRow("", self.share_activations)
         self.config_button = QPushButton("Load site.toml…")
         self.config_button.clicked.connect(self._browse_config)
         self.save_button = QPushButton("Save site.toml…")
@@ -231,7 +246,21 @@ class FederationPanel(QWidget):
             self.load_config_requested.emit(path)
 
     # --- FederationView ------------------------------------------------------------------
+    def confirm_share_activations(self) -> bool:
+        """Ask the operator to confirm BlackFed's threat model (replaced in tests)."""
+        answer = QMessageBox.warning(self, "Activations of your images leave this site", SHARE_ACTIVATIONS_WARNING,
+                                     QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
+                                     QMessageBox.StandardButton.No)
+        return answer == QMessageBox.StandardButton.Yes
+
+    def _share_activations_clicked(self, checked: bool) -> None:
+        if checked and not self.confirm_share_activations():
+            self.share_activations.setChecked(False)
+            return
+        self.setup_edited.emit("share_activations", "true" if checked else "false")
+
     def set_setup(self, setup: Any, demo: bool) -> None:
+        self.share_activations.setChecked(bool(getattr(setup, "share_activations", False)))
         for name, edit in self.fields.items():
             edit.setText(str(getattr(setup, name, "")))
         self.task.setCurrentText(setup.task or "fundus")

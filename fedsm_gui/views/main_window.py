@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence
+from PySide6.QtGui import QAction, QCloseEvent, QDragEnterEvent, QDropEvent, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QDialog,
     QDialogButtonBox,
@@ -30,6 +30,33 @@ from fedsm_gui.views.overlay_panel import OverlayPanel
 from fedsm_gui.views.segmentation_panel import SegmentationPanel
 from fedsm_gui.views.viewer import ViewerWidget
 
+#: Shown in the status bar, the About box and the README.
+RESEARCH_NOTICE = "Research use only — not validated for diagnosis"
+#: F1: every key and mouse action of the viewer.
+HELP_HTML = """
+<table cellspacing="4">
+<tr><th align="left">Keys</th><th></th></tr>
+<tr><td>↑ / ↓, → / ←</td><td>next / previous slice of the active view (the one last clicked or pointed at)</td></tr>
+<tr><td>PageUp / PageDown</td><td>5 slices</td></tr>
+<tr><td>F</td><td>fit every view</td></tr>
+<tr><td>H</td><td>hide / show all overlays</td></tr>
+<tr><td>G</td><td>green channel (red-free view of a fundus photo)</td></tr>
+<tr><td>D</td><td>distance tool on / off (left-drag draws a ruler)</td></tr>
+<tr><td>Ctrl+O, Ctrl+D</td><td>open a file, a DICOM folder</td></tr>
+<tr><td>Ctrl+M</td><td>open a mask to compare (reference outlines)</td></tr>
+<tr><td>Ctrl+L, Ctrl+R, Ctrl+E</td><td>load a super model, run it, export the mask</td></tr>
+<tr><td>Ctrl+Shift+S</td><td>save a screenshot of the views</td></tr>
+<tr><td>F1</td><td>this help</td></tr>
+<tr><th align="left">Mouse</th><th></th></tr>
+<tr><td>wheel</td><td>scroll slices (volumes), zoom (photos)</td></tr>
+<tr><td>Ctrl+wheel</td><td>zoom</td></tr>
+<tr><td>left click / drag</td><td>move the crosshair (volumes), pan (photos)</td></tr>
+<tr><td>middle or Shift+left drag</td><td>pan</td></tr>
+<tr><td>right drag</td><td>window/level (volumes), brightness/contrast (photos)</td></tr>
+<tr><td>double click</td><td>fit</td></tr>
+<tr><td>pointer</td><td>voxel, position (RAS mm), value and label under it, below the views</td></tr>
+</table>
+"""
 IMAGE_FILTERS = ("Studies (*.png *.jpg *.jpeg *.tif *.tiff *.bmp *.nii *.nii.gz *.mha *.mhd *.nrrd *.nhdr *.dcm);;"
                  "All files (*)")
 MASK_FILTERS = "Masks (*.png *.nii *.nii.gz *.mha *.nrrd *.dcm);;All files (*)"
@@ -118,6 +145,8 @@ class MainWindow(QMainWindow):
         scroll.setWidget(side)
         scroll.setWidgetResizable(True)
         scroll.setMinimumWidth(340)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.side_scroll = scroll
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(self.viewer)
         splitter.addWidget(scroll)
@@ -137,11 +166,16 @@ class MainWindow(QMainWindow):
         self.busy_bar = QProgressBar()
         self.busy_bar.setObjectName("busy-bar")
         self.busy_bar.setMaximumWidth(240)
+        self.notice = QLabel(RESEARCH_NOTICE)
+        self.notice.setObjectName("research-notice")
+        self.notice.setStyleSheet("color: #8a5a00;")
         self.statusBar().addPermanentWidget(self.busy_label)
         self.statusBar().addPermanentWidget(self.busy_bar)
+        self.statusBar().addPermanentWidget(self.notice)
         self.busy_label.hide()
         self.busy_bar.hide()
         self._build_menus()
+        self._build_slice_keys()
         self.resize(1400, 860)
 
     def _build_menus(self) -> None:
@@ -153,14 +187,19 @@ class MainWindow(QMainWindow):
         file_menu.addSeparator()
         self._action(file_menu, "&Load super model…", "Ctrl+L", self.segmentation_panel.browse_bundle)
         self._action(file_menu, "&Export mask…", "Ctrl+E", self.segmentation_panel.browse_export)
+        self._action(file_menu, "Save &screenshot of the view…", "Ctrl+Shift+S", self._save_screenshot)
         file_menu.addSeparator()
         self._action(file_menu, "&Quit", QKeySequence.StandardKey.Quit, self.close)
         view_menu = self.menuBar().addMenu("&View")
         self._action(view_menu, "&Fit", "F", self.viewer.fit_requested.emit)
         self._action(view_menu, "Show/hide &overlays", "H", self.overlay_hotkey.emit)
         self._action(view_menu, "&Green channel", "G", self.viewer.green.toggle)
+        self._action(view_menu, "&Measure distance", "D", self.viewer.measure_button.toggle)
         run_menu = self.menuBar().addMenu("&Segmentation")
         self._action(run_menu, "&Run", "Ctrl+R", self.segmentation_panel.run_requested.emit)
+        help_menu = self.menuBar().addMenu("&Help")
+        self._action(help_menu, "&Keys and mouse", QKeySequence.StandardKey.HelpContents, self.show_help)
+        self._action(help_menu, "&About FedSM", "", self.show_about)
 
     def _action(self, menu: Any, text: str, shortcut: Any, slot: Any) -> QAction:
         action = QAction(text, self)
@@ -169,6 +208,76 @@ class MainWindow(QMainWindow):
         menu.addAction(action)
         self.addAction(action)
         return action
+
+    def _build_slice_keys(self) -> None:
+        """Arrow and page keys scroll the active view wherever the focus is in the viewer tab.
+
+        Window-wide shortcuts, so a focused button, slider or combo box (e.g. after pressing Run,
+        or the opacity slider) does not swallow them, as in ITK-SNAP and Slicer.
+        """
+        self.slice_keys: list[QShortcut] = []
+        for key, step in ((Qt.Key.Key_Up, 1), (Qt.Key.Key_Down, -1), (Qt.Key.Key_Right, 1), (Qt.Key.Key_Left, -1),
+                          (Qt.Key.Key_PageUp, 5), (Qt.Key.Key_PageDown, -5)):
+            shortcut = QShortcut(QKeySequence(key), self)
+            shortcut.setContext(Qt.ShortcutContext.WindowShortcut)
+            shortcut.activated.connect(lambda s=step: self.viewer.step_active(s))
+            self.slice_keys.append(shortcut)
+        # the federation tab's text fields and tables keep their arrow keys
+        self.tabs.currentChanged.connect(lambda index: [k.setEnabled(index == 0) for k in self.slice_keys])
+
+    # --- help ----------------------------------------------------------------------------
+    def show_help(self) -> None:
+        """F1: the keys and mouse actions (not modal: the viewer stays usable)."""
+        self._info_dialog("Keys and mouse", HELP_HTML, "help-dialog")
+
+    def show_about(self) -> None:
+        """Version, the loaded super model's provenance, and the research-use notice."""
+        from fedsm_gui import __version__
+
+        bundle = self.segmentation_panel.provenance_html()
+        html = (f"<h3>FedSM {__version__}</h3><p>Cross-silo federated medical image segmentation with FedSM "
+                "super models (Xu et al., CVPR 2022).</p>"
+                f"<p><b>Super model:</b> {bundle or 'none loaded'}</p><p><b>{RESEARCH_NOTICE}</b> Masks and "
+                "measurements are produced by a research model and must not be used to diagnose or treat.</p>")
+        self._info_dialog("About FedSM", html, "about-dialog")
+
+    def _info_dialog(self, title: str, html: str, name: str) -> QDialog:
+        old = self.findChild(QDialog, name)
+        if old is not None:
+            old.close()
+            old.deleteLater()
+        dialog = QDialog(self)
+        dialog.setObjectName(name)
+        dialog.setWindowTitle(title)
+        dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+        text = QLabel(html)
+        text.setObjectName(f"{name}-text")
+        text.setTextFormat(Qt.TextFormat.RichText)
+        text.setWordWrap(True)
+        text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        buttons.rejected.connect(dialog.close)
+        layout = QVBoxLayout(dialog)
+        layout.addWidget(text)
+        layout.addWidget(buttons)
+        dialog.resize(560, 10)
+        dialog.show()
+        return dialog
+
+    # --- screenshot ----------------------------------------------------------------------
+    def save_screenshot(self, path: str) -> str:
+        """Save the views as they are on screen (PNG, or the format the suffix names); return the path."""
+        target = path if "." in path.rsplit("/", 1)[-1] else path + ".png"
+        if not self.viewer.stack.grab().save(target):
+            self.show_error("Screenshot not saved", f"{target}: cannot be written; choose another folder or name")
+            return ""
+        self.show_status(f"Screenshot saved to {target}")
+        return target
+
+    def _save_screenshot(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save screenshot", "fedsm_view.png", "PNG image (*.png)")
+        if path:
+            self.save_screenshot(path)
 
     # --- dialogs -------------------------------------------------------------------------
     def _open_file(self) -> None:
@@ -229,6 +338,8 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(f"{title}: {message}", 10000)
 
     def show_status(self, message: str) -> None:
+        # A later success makes an earlier error banner stale (status messages report what worked).
+        self.banner.hide()
         self.statusBar().showMessage(message, 5000)
 
     def set_busy(self, message: str | None, done: int = 0, total: int = 0) -> None:

@@ -24,8 +24,22 @@ from PySide6.QtWidgets import (
 
 from fedsm_gui.views.confidence_strip import ConfidenceStrip, model_colour
 
-#: Export formats offered in the save dialog (the engine picks the writer from the suffix).
-EXPORT_FILTERS = "NIfTI (*.nii.gz);;PNG label map (*.png);;DICOM SEG (*.dcm)"
+#: Export formats the save dialog may offer (the engine picks the writer from the suffix).
+_FILTER_NIFTI, _FILTER_PNG, _FILTER_SEG = "NIfTI (*.nii.gz)", "PNG label map (*.png)", "DICOM SEG (*.dcm)"
+
+
+def export_filters(proposed_name: str) -> str:
+    """The save dialog's formats for the open study, the proposed name's format first.
+
+    A photo exports as PNG or NIfTI, a DICOM series as DICOM SEG or NIfTI, other volumes as
+    NIfTI: DICOM SEG needs the source series, PNG a 2D image.
+    """
+    name = proposed_name.lower()
+    if name.endswith(".png"):
+        return ";;".join((_FILTER_PNG, _FILTER_NIFTI))
+    if name.endswith(".dcm"):
+        return ";;".join((_FILTER_SEG, _FILTER_NIFTI))
+    return _FILTER_NIFTI
 
 
 def _fmt_number(value: Any) -> str:
@@ -95,6 +109,7 @@ class SegmentationPanel(QGroupBox):
         self.compare_button.clicked.connect(lambda: self.compare_requested.emit(""))
         self.cdr_label = QLabel("")
         self.cdr_label.setObjectName("cdr-label")
+        self.cdr_label.setWordWrap(True)
         self.export_button = QPushButton("Export mask…")
         self.export_button.setObjectName("export-button")
         self.export_button.clicked.connect(self.browse_export)
@@ -130,6 +145,8 @@ class SegmentationPanel(QGroupBox):
         layout.addStretch(1)
         self._gamma_value: float | None = None
         self._export_name = "mask.nii.gz"
+        self._metadata: dict[str, Any] | None = None
+        self._bundle_path: str | None = None
 
     # --- dialogs -------------------------------------------------------------------------
     def browse_bundle(self) -> None:
@@ -138,7 +155,8 @@ class SegmentationPanel(QGroupBox):
             self.load_bundle_requested.emit(path)
 
     def browse_export(self) -> None:
-        path, chosen = QFileDialog.getSaveFileName(self, "Export mask", self._export_name, EXPORT_FILTERS)
+        path, chosen = QFileDialog.getSaveFileName(self, "Export mask", self._export_name,
+                                                   export_filters(self._export_name))
         if path:
             suffix = {"NIfTI": ".nii.gz", "PNG": ".png", "DICOM": ".dcm"}
             for key, ext in suffix.items():
@@ -150,7 +168,20 @@ class SegmentationPanel(QGroupBox):
         self.force_model_requested.emit(self.model_combo.itemData(index) or "")
 
     # --- SegmentationView ----------------------------------------------------------------
+    def provenance_html(self) -> str:
+        """Where the loaded super model comes from (for Help ▸ About); ``""`` when none is loaded."""
+        meta, path = self._metadata, self._bundle_path
+        if meta is None:
+            return ""
+        extra = meta.get("extra") or {}
+        seed = f", seed {extra['seed']}" if "seed" in extra else ""
+        return (f"{Path(path).name if path else '?'} — {meta.get('method', '?')} on {meta.get('task', '?')}, "
+                f"{len(meta.get('site_names', []))} sites ({', '.join(meta.get('site_names', []))}), "
+                f"{meta.get('rounds', '?')} rounds{seed}; written {meta.get('created', '?')} by FedSM engine "
+                f"{meta.get('engine_version', '?')}<br><small>{path or ''}</small>")
+
     def set_metadata(self, path: str | None, metadata: dict[str, Any] | None, message: str = "") -> None:
+        self._metadata, self._bundle_path = metadata, path
         if metadata is None:
             self.bundle_label.setText("")
             self.metadata_label.setText(f"<i>{message}</i>".replace("\n", "<br>"))
@@ -179,11 +210,16 @@ class SegmentationPanel(QGroupBox):
     def set_device(self, text: str) -> None:
         self.device_label.setText(f"device: {text}")
 
-    def set_models(self, names: Sequence[str], forced: str | None) -> None:
+    def set_models(self, names: Sequence[str], forced: str | None, choose_site: bool = False) -> None:
+        """Fill the model choice; ``choose_site``: a BlackFed bundle, one entry per site's client net."""
         self.model_combo.blockSignals(True)
         self.model_combo.clear()
-        self.model_combo.addItem("routed by the selector", "")
-        for name in names:
+        if choose_site:
+            for name in names:
+                self.model_combo.addItem(f"client net of {name} (BlackFed)", name)
+        else:
+            self.model_combo.addItem("routed by the selector", "")
+        for name in names if not choose_site else ():
             label = "global model" if name == "global" else f"personalized model of {name}"
             self.model_combo.addItem(f"force: {label}", name)
         self.model_combo.setCurrentIndex(self.model_combo.findData(forced or ""))
@@ -220,10 +256,14 @@ class SegmentationPanel(QGroupBox):
     def set_export_name(self, name: str) -> None:
         self._export_name = name
 
-    def set_cup_to_disc(self, model_value: float | None, reference_value: float | None) -> None:
-        parts = []
-        if model_value is not None:
-            parts.append(f"model {model_value:.2f}")
-        if reference_value is not None:
-            parts.append(f"reference {reference_value:.2f}")
-        self.cdr_label.setText(f"Vertical cup-to-disc ratio: {', '.join(parts)}" if parts else "")
+    def set_cup_to_disc(self, model_value: Any, reference_value: Any) -> None:
+        parts, doubts = [], []
+        for name, ratio in (("model", model_value), ("reference", reference_value)):
+            if ratio is None:
+                continue
+            parts.append(f"{name} {ratio.value:.2f}" + ("" if ratio.trusted else " (not reliable)"))
+            if not ratio.trusted:
+                doubts.append(f"{name}: {ratio.reason}")
+        text = f"Vertical cup-to-disc ratio: {', '.join(parts)}" if parts else ""
+        self.cdr_label.setText(text + "".join(f"\n⚠ {d}" for d in doubts))
+        self.cdr_label.setStyleSheet("color: #b35900;" if doubts else "")

@@ -52,10 +52,13 @@ class ViewerWidget(QWidget):
     fit_requested = Signal()
     photo_adjust_requested = Signal(float, float)
     green_toggled = Signal(bool)
+    hover_requested = Signal(str, float, float)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.panes: dict[str, _SlicePane] = {}
+        self.active_view = "axial"  # the view the arrow keys scroll: last clicked or pointed at
+        self._views: tuple[str, ...] = ()
         self.stack = QStackedWidget(self)
         self.empty = QLabel(self)
         self.empty.setObjectName("viewer-empty")
@@ -121,15 +124,27 @@ class ViewerWidget(QWidget):
 
         self.fit_button = QPushButton("Fit (F)")
         self.fit_button.clicked.connect(self.fit_requested)
+        self.measure_button = QPushButton("Measure (D)")
+        self.measure_button.setObjectName("measure-button")
+        self.measure_button.setCheckable(True)
+        self.measure_button.setToolTip("Distance tool: left-drag on a view draws a ruler with its length "
+                                       "(mm from the voxel spacing; pixels on photos)")
+        self.measure_button.toggled.connect(self._measure_toggled)
         controls = QHBoxLayout()
         controls.addWidget(self.volume_controls)
         controls.addWidget(self.photo_controls)
         controls.addStretch(1)
+        controls.addWidget(self.measure_button)
         controls.addWidget(self.fit_button)
+        self.readout = QLabel(self)
+        self.readout.setObjectName("pixel-readout")
+        self.readout.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.readout.setMinimumWidth(10)
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.stack, 1)
+        layout.addWidget(self.readout)
         layout.addLayout(controls)
         self.set_views(())
 
@@ -142,12 +157,25 @@ class ViewerWidget(QWidget):
         canvas.zoom_requested.connect(lambda f, n=name: self.zoom_requested.emit(n, f))
         canvas.pan_requested.connect(lambda dx, dy, n=name: self.pan_requested.emit(n, dx, dy))
         canvas.fit_requested.connect(self.fit_requested)
+        canvas.hovered.connect(lambda row, col, n=name: self.hover_requested.emit(n, row, col))
+        canvas.activated.connect(lambda n=name: setattr(self, "active_view", n))
         pane.slider.valueChanged.connect(lambda v, n=name: self.slice_requested.emit(n, v))
         self.panes[name] = pane
         return pane
 
     def _photo_sliders(self) -> None:
         self.photo_adjust_requested.emit(self.brightness.value() / 100.0, 10 ** (self.contrast.value() / 100.0))
+
+    def _measure_toggled(self, on: bool) -> None:
+        for pane in self.panes.values():
+            pane.canvas.set_measuring(on)
+
+    def step_active(self, step: int) -> None:
+        """Scroll the active view by ``step`` slices (the window's arrow and page keys)."""
+        if not self._views or self._views == ("photo",):
+            return
+        view = self.active_view if self.active_view in self._views else self._views[0]
+        self.slice_step_requested.emit(view, int(step))
 
     def canvas(self, view: str) -> SliceCanvas:
         """The canvas of ``view`` (tests and benchmarks drive it directly)."""
@@ -156,8 +184,11 @@ class ViewerWidget(QWidget):
     # --- ViewerView ----------------------------------------------------------------------
     def set_views(self, views: Sequence[str], message: str = "") -> None:
         views = tuple(views)
-        for pane in self.panes.values():
+        self._views = views
+        self.readout.setText("")
+        for name, pane in self.panes.items():
             pane.canvas.clear()
+            pane.canvas.physical_units = name != "photo"
         if not views:
             self.empty.setText(message)
             self.stack.setCurrentIndex(0)
@@ -202,3 +233,6 @@ class ViewerWidget(QWidget):
         self.green.blockSignals(True)
         self.green.setChecked(green_only)
         self.green.blockSignals(False)
+
+    def set_readout(self, text: str) -> None:
+        self.readout.setText(text)

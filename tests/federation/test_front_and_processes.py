@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -38,13 +39,28 @@ def test_child_that_dies_while_starting_is_reported_with_its_output(tmp_path):
 
 
 def test_launcher_watchdog_stops_an_orphan():
-    # a parent pid that is not our parent: the watchdog sees "parent gone" and interrupts
+    # a parent pid that is not our parent: the watchdog sees "parent gone" and interrupts. The child
+    # says when its watchdog runs, so the time a loaded machine spends importing is not counted.
     code = ("import threading, time; from engine.federation.flower.launch import _watch_parent; "
-            "threading.Thread(target=_watch_parent, args=(1,), daemon=True).start(); time.sleep(30)")
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
-    assert proc.returncode != 0 and b"KeyboardInterrupt" in proc.stderr
-    assert time.monotonic() - started < 20
+            "threading.Thread(target=_watch_parent, args=(1,), daemon=True).start(); print('watching', flush=True); "
+            "time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    hang_guard = threading.Timer(300, proc.kill)  # bounds a child that never gets as far as 'watching'
+    hang_guard.start()
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"watching"
+        watching = time.monotonic()
+        try:
+            proc.wait(timeout=120)  # the watchdog checks every 0.2 s; 600 s of sleep without it
+        except subprocess.TimeoutExpired:
+            pytest.fail("the watchdog did not stop the orphan within 120 s")
+        assert time.monotonic() - watching < 120
+        assert proc.returncode != 0 and b"KeyboardInterrupt" in proc.stderr.read()
+    finally:
+        hang_guard.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_capped_sleep():

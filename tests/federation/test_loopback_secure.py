@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -249,13 +250,30 @@ def test_stop_flag_cancels_a_waiting_coordinator(pki, fed_data, tmp_path):  # no
     from engine.federation.flower.server import run_server
 
     _, datalists = fed_data
-    fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"start_timeout": 120})
+    fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"start_timeout": 600})
     stop = threading.Event()
-    timer = threading.Timer(8.0, stop.set)
-    timer.start()
+
+    def waiting() -> bool:
+        try:
+            events = read_events(fed.server_events)
+        except OSError:  # not written yet
+            return False
+        return any("waiting for site1, site2, site3" in e.get("message", "") for e in events)
+
+    def stop_once_waiting() -> None:
+        # Asked to stop only once it really waits for the sites: on a loaded machine starting the
+        # SuperLink alone can take longer than any fixed delay. The deadline only bounds a hang.
+        deadline = time.monotonic() + 300
+        while not waiting() and time.monotonic() < deadline and not stop.is_set():
+            time.sleep(0.2)
+        stop.set()
+
+    watcher = threading.Thread(target=stop_once_waiting, daemon=True)
+    watcher.start()
     with EventWriter("server", path=fed.server_events) as events, pytest.raises(CancelledError):
         run_server(load_federation_config(fed.config), events=events, stop=stop.is_set)
-    timer.cancel()
-    assert any("waiting for site1, site2, site3" in e.get("message", "") for e in read_events(fed.server_events))
+    stop.set()
+    watcher.join(timeout=5)
+    assert waiting()
     log = (fed.work / "superlink.log").read_text()
     assert "Finished server process" in log  # the SuperLink child was stopped, not orphaned

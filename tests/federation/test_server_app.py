@@ -51,8 +51,8 @@ def runner(spec_, grid, tmp_path, events, min_sites=1, timeout=5.0, attempts=1, 
 
 def simulated(spec_, datalists):
     method = build_method(spec_, "cpu")
-    sites = [SiteRuntime(name, k, load_site(dl, get_task("fundus"), 32, name=name).train)
-             for k, (name, dl) in enumerate(zip(SITES, datalists, strict=True))]
+    loaded = [load_site(dl, get_task("fundus"), 32, name=name) for name, dl in zip(SITES, datalists, strict=True)]
+    sites = [SiteRuntime(s.name, k, s.train, validation=s.validation) for k, s in enumerate(loaded)]
     state, _ = run_rounds(method, sites, method.total_rounds)
     return state
 
@@ -82,7 +82,12 @@ def test_fedsm_over_the_grid_equals_the_in_process_simulation(datalists, tmp_pat
     # every site got its own personalized model: the message to site2 carried site2's part
     received = [e for e in events if e["event"] == "received" and e["source"] == "site" and e["round"] == 1]
     assert {e["site"] for e in received} == set(SITES)
-    assert all(e["contents"] == {"global": 63, "personal": 63, "selector": 60} for e in received)
+    from engine.fl.selector_training import initial_optimizer_state
+    from engine.models import build_selector
+
+    moments = len(initial_optimizer_state(build_selector(3, 3)))  # exp_avg and exp_avg_sq per parameter, step
+    assert all(e["contents"] == {"global": 63, "personal": 63, "selector": 60, "selector_optim": moments}
+               for e in received)
     assert Checkpoint.load(tmp_path / "ckpt.safetensors").round == 2
 
 

@@ -157,3 +157,29 @@ def test_ece_and_confidence_summary():
     assert sum(summary["histogram"]["counts"]) == 4
     assert default_selector_lr("none") == 1e-3 and default_selector_lr("lda") == 1e-5
     assert default_selector_lr("lda", 0.01) == 0.01
+
+
+def test_batch_statistics_mode_survives_a_lone_last_image(tiny_training):
+    from dataclasses import replace
+
+    cfg = replace(tiny_training, selector_bn="batch")
+    method = FedSM(FUNDUS, ["a", "b"], cfg, lam=0.5)
+    state = method.initial_state()
+    for n in (5, 1):  # batch 4: batches of 4 and 1 -> one batch of 5; a single image: running statistics
+        data = random_split(n, seed=2)
+        weights, optim, _ = reference_selector_round(
+            FUNDUS, state["selector"], state["selector_optim"], np.zeros(n), 2, data.images, cfg, 0,
+            RoundContext("fedsm", 1, "a"))
+        assert float(optim["step"][0]) == 1.0
+        assert all(bool(torch.isfinite(v).all()) for v in weights.values() if v.dtype.is_floating_point)
+
+
+def test_best_round_keeper_skips_warmup_rounds_and_substitutes_after_training(tiny_training):
+    from engine.fl.model_selection import is_training_round, last_training_round
+
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, rounds=2, selector_warmup=3)
+    assert [method.phase(r) for r in range(1, 7)] == ["selector"] * 3 + ["train"] * 2 + ["calibrate"]
+    assert [is_training_round(method, r) for r in range(1, 7)] == [False] * 3 + [True] * 2 + [False]
+    assert last_training_round(method) == 5
+    with pytest.raises(ConfigError, match="warm-up"):
+        FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, selector_calibration="lda", selector_warmup=1)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gui_helpers import DeferredTaskRunner, FakeProcess, SyncTaskRunner
 
+import engine.api
 from engine.errors import DataError
 from engine.io.study import LabelMap, SeriesInfo
 from fedsm_gui.controllers.federation import FederationController, check_rows, setup_from_config
@@ -229,6 +230,7 @@ def _api_for_segmentation(tmp_path):
         preload_super_model=MagicMock(return_value={"sha256": "ab" * 32, "device": "cpu"}),
         describe_device=MagicMock(return_value={"device": "cpu", "reason": "no CUDA GPU found"}),
         export_mask=MagicMock(side_effect=lambda study, labels, out, provenance=None: Path(out)),
+        cup_to_disc_ratio=engine.api.cup_to_disc_ratio,
     )
     api.segment_study = MagicMock(side_effect=lambda bundle, study, gamma=None, device="auto", force_model=None,
                                   progress=None, cancel=None: (progress(3, 4) if progress else None)
@@ -312,7 +314,13 @@ def test_segmentation_controller_cup_to_disc_for_photos(tmp_path, photo_study):
     labels[10:30, 10:30] = 1
     labels[15:25, 15:25] = 2
     t.overlays.set_layer(REFERENCE_LAYER, LabelMap(labels, {1: "rim", 2: "cup"}))
-    t.view.set_cup_to_disc.assert_called_with(None, 0.5)
+    model, reference = t.view.set_cup_to_disc.call_args.args
+    assert model is None and reference.value == pytest.approx(0.5) and reference.trusted
+    # a cup that fills the disc is shown, but flagged
+    labels[10:30, 10:30] = 2
+    t.overlays.set_layer(MODEL_LAYER, LabelMap(labels, {1: "rim", 2: "cup"}))
+    model, _ = t.view.set_cup_to_disc.call_args.args
+    assert model.value == 1.0 and not model.trusted and "fills the disc" in model.reason
 
 
 def _federation(api, tmp_path):

@@ -19,7 +19,6 @@ from fedsm_gui.models.display import (
     voxel_to_display,
     window_presets,
 )
-from fedsm_gui.models.measurements import vertical_cup_to_disc
 
 SHAPE = (7, 5, 4)  # X (to patient's right), Y (anterior), Z (superior)
 
@@ -117,16 +116,6 @@ def test_overlay_fill_outline_and_hidden_labels():
     assert edge[2, 2]  # label 2's border touches label 1
     outline = overlay_rgba(labels, lut, outline=True)
     assert outline[1, 3, 3] > 0 and outline[1, 3, :3].tolist() == [255, 0, 0]
-
-
-def test_vertical_cup_to_disc_ratio():
-    labels = np.zeros((20, 20), dtype=np.uint8)
-    labels[2:18, 5:15] = 1  # disc rim: 16 rows
-    labels[6:14, 8:12] = 2  # cup: 8 rows
-    assert vertical_cup_to_disc(labels, {1: "rim", 2: "cup"}) == pytest.approx(0.5)
-    assert vertical_cup_to_disc(labels, {1: "disc", 2: "cup"}) == pytest.approx(0.5)
-    assert vertical_cup_to_disc(np.zeros((5, 5), np.uint8), {1: "rim", 2: "cup"}) is None
-    assert vertical_cup_to_disc(labels, {1: "prostate"}) is None
 
 
 @pytest.mark.parametrize("budget", [10**9, 0, 2 * 7 * 5 * 4 * 4])

@@ -37,6 +37,20 @@ def test_fundus_photo_with_its_expert_mask_and_cup_to_disc_ratio(fedsm_app, qtbo
     assert app.recent.paths[0].endswith("621.png")
 
 
+def test_drishti_soft_maps_open_as_one_binarised_disc_and_cup_map(fedsm_app, qtbot):
+    app = fedsm_app
+    drishti = SHARED_DATA / "fundus/DrishtiGS1"
+    study = _open(app, qtbot, drishti / "images/drishtiGS_002.png")
+    app.studies.open_mask(drishti / "masks/drishtiGS_002_cupsegSoftmap.png")  # either map of the pair
+    qtbot.waitUntil(lambda: REFERENCE_LAYER in app.overlays.layers, timeout=WAIT_MS)
+    layer = app.overlays.layers[REFERENCE_LAYER]
+    assert set(np.unique(layer.labels.array)) == {0, 1, 2}
+    assert {v: s.name for v, s in layer.styles.items()} == {1: "rim", 2: "cup"}
+    assert layer.labels.array.shape == study.shape
+    ratio = app.window.segmentation_panel.cdr_label.text()
+    assert ratio.startswith("Vertical cup-to-disc ratio: reference 0.")
+
+
 def test_dicom_series_in_three_views(fedsm_app, qtbot):
     app = fedsm_app
     study = _open(app, qtbot, SHARED_DATA / "dicom/ProstateX-0000_t2_tse_tra")

@@ -227,6 +227,12 @@ def build_client_app(worker: SiteWorker) -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         return Message(worker.train(msg.content), reply_to=msg)
 
+    @app.train("exchange")
+    def exchange(msg: Message, context: Context) -> Message:
+        from engine.federation.flower.dialogue import answer_exchange
+
+        return Message(answer_exchange(worker, msg.content), reply_to=msg)
+
     @app.query()
     def query(msg: Message, context: Context) -> Message:
         return Message(worker.query(msg.content), reply_to=msg)

@@ -122,6 +122,8 @@ def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> di
 
     from engine.federation.flower.server_app import QUERY, exchange
 
+    if "global" not in state or runner.method.name == "local":
+        return {}  # dialogue methods and local training: no shared final model to send
     online = runner.online_sites(grid)
     messages = {site: Message(evaluate_request(runner, state, site), dst_node_id=node, message_type=QUERY,
                               ttl=runner.settings.round_timeout)

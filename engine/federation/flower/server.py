@@ -140,7 +140,9 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     ``site_dice`` (``{site: {split: {model: Dice}}}``, the sites' final evaluation) fills the bundle's
     ``val_dice`` and ``extra["site_dice"]``.
     """
+    from engine.federation.checkpoint import save_weightset
     from engine.federation.flower.final_evaluation import bundle_val_dice
+    from engine.fl.registry import EXCHANGE_METHODS
 
     spec = cfg.spec
     files: dict[str, str] = {}
@@ -165,6 +167,11 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
         files["supermodel"] = "supermodel.safetensors"
+    elif spec.method in EXCHANGE_METHODS:
+        # a dialogue method (BlackFed): the coordinator's own networks; sites keep theirs
+        save_weightset(cfg.work_dir / "server.safetensors", state,
+                       {"format": "fedsm-server-state", "method": spec.method, "session": session})
+        files["server"] = "server.safetensors"
     elif "global" in state:
         # a single-model bundle, so fedsm infer / evaluate and the desktop app open it like a super model
         from engine.bundle import save_bundle
@@ -222,6 +229,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     )
     from engine.federation.flower.transfer import PromptHttpGrid
     from engine.federation.spec import build_method
+    from engine.fl.exchange import ExchangeMethod
 
     tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
@@ -290,8 +298,13 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         grid.set_run(run)
         settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,
                                  cfg.poll_interval, cfg.rejoin_wait)
-        runner = FederationRunner(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
-                                  app.hash, cancel=stop, address=cfg.address)
+        runner_class = FederationRunner
+        if isinstance(method, ExchangeMethod):
+            from engine.federation.flower.dialogue import DialogueRunner
+
+            runner_class = DialogueRunner
+        runner = runner_class(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
+                              app.hash, cancel=stop, address=cfg.address)
         runner.keep_checkpoints = cfg.keep_checkpoints
         runner.set_robust(cfg.robust)
         result: dict[str, Any] = {}

@@ -1,0 +1,306 @@
+"""Dialogue methods over Flower: one message per :class:`~engine.fl.exchange.Request`.
+
+Any :class:`~engine.fl.exchange.ExchangeMethod` (BlackFed, FedIOD) runs over the same
+federation as FedSM: the coordinator's :class:`DialogueRunner` drives the method's round
+generator, sends each request as its own Flower message of type ``train.exchange`` to the
+addressed site's node, and hands the decoded, validated replies (or a
+:class:`~engine.fl.exchange.Failure` with the reason) back to the generator. At the site,
+:func:`answer_exchange` rebuilds the method from the run's spec, refuses undeclared tensors
+(:meth:`~engine.fl.exchange.ExchangeMethod.check_request`), calls the method's ``answer`` with the
+site's data and private state, and records every reply in the site's outbound ledger
+(``sent`` events: bytes and what each tensor *is*, from ``REPLY_CONTENTS``).
+
+Request (coordinator -> site, ``train.exchange``)::
+
+    "fedsm"             ConfigRecord   round, rounds, method, spec, session, site, action, config (JSON), exchange
+    "weights:request"   ArrayRecord    the request's tensors (absent when it has none)
+    "layout"            ConfigRecord   tensor names, dtypes, shapes
+
+Reply (site -> coordinator)::
+
+    "fedsm"             ConfigRecord   site, round, exchange
+    "metrics"           MetricRecord   the reply's metrics and "num-examples"
+    "weights:reply"     ArrayRecord    the reply's tensors (absent when it has none)
+    "layout"            ConfigRecord
+
+Every exchange is a round trip through the SuperLink (the site's SuperNode polls for it), so a
+dialogue method's wall time is dominated by ``exchanges x round-trip`` over the network; see
+``docs/federation.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import CancelledError, ConfigError, FedSMError, WeightsError
+from engine.federation.checkpoint import Checkpoint, load_site_state_before, save_site_state
+from engine.federation.flower import records
+from engine.federation.flower.server_app import CheckpointWriter, FederationRunner, exchange
+
+if TYPE_CHECKING:
+    from flwr.app import Message, RecordDict
+    from flwr.serverapp import Grid
+
+    from engine.fl.exchange import ExchangeMethod, Reply, Request
+    from engine.fl.methods import WeightSet
+
+log = logging.getLogger(__name__)
+
+#: Flower message type of one exchange (a ``train`` category with its own action).
+EXCHANGE = "train.exchange"
+REQUEST_PART = "request"
+REPLY_PART = "reply"
+
+
+# --- encoding --------------------------------------------------------------------------------
+def encode_request(request: Request, *, rnd: int, rounds: int, method: str, spec_json: str, session: str,
+                   site: str, exchange_id: int) -> RecordDict:
+    """The content of one ``train.exchange`` message."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    info = ConfigRecord({"round": int(rnd), "rounds": int(rounds), "method": method, "spec": spec_json,
+                         "session": session, "site": site, "action": request.action,
+                         "config": json.dumps(request.config, sort_keys=True), "exchange": int(exchange_id)})
+    parts = {REQUEST_PART: request.tensors} if request.tensors else {}
+    return RecordDict({records.INFO: info, **records.weights_records(parts)})
+
+
+def _tensors(content: RecordDict, part: str, what: str) -> dict[str, Any]:
+    layouts = content.config_records.get(records.LAYOUT)
+    if layouts is None:
+        raise WeightsError(f"{what}: no tensor layout record")
+    unknown = sorted(set(content.array_records) - {records.WEIGHTS_PREFIX + part})
+    if unknown or sorted(layouts) not in ([], [part]):
+        raise WeightsError(f"{what}: unexpected parts {unknown or sorted(layouts)}")
+    record = content.array_records.get(records.WEIGHTS_PREFIX + part)
+    if record is None:
+        if layouts:
+            raise WeightsError(f"{what}: a layout without tensors")
+        return {}
+    return records.unpack(record, layouts.get(part), f"{what}, {part}")
+
+
+def decode_request(content: RecordDict) -> tuple[dict[str, Any], Request]:
+    """``(info, request)`` of a ``train.exchange`` message (raises :class:`WeightsError` when malformed)."""
+    from engine.fl.exchange import Request
+
+    info = content.config_records.get(records.INFO)
+    if info is None:
+        raise WeightsError("exchange without its 'fedsm' settings record; is the coordinator a FedSM server?")
+    allowed = (records.INFO, records.LAYOUT, records.WEIGHTS_PREFIX + REQUEST_PART)
+    unknown = sorted(k for k in content if k not in allowed)
+    if unknown:
+        raise WeightsError(f"exchange has unexpected records {unknown}")
+    try:
+        fields = {k: info[k] for k in ("round", "rounds", "method", "spec", "session", "site", "action", "exchange")}
+        config = json.loads(str(info["config"]))
+    except (KeyError, ValueError) as exc:
+        raise WeightsError(f"malformed exchange ({exc})") from None
+    if not isinstance(config, dict):
+        raise WeightsError("malformed exchange: its config is not a JSON object")
+    return fields, Request(str(fields["action"]), _tensors(content, REQUEST_PART, "exchange request"), config)
+
+
+def encode_reply(reply: Reply, *, site: str, rnd: int, exchange_id: int) -> RecordDict:
+    """The content of a site's answer to one exchange."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    metrics: dict[str, int | float] = {k: float(v) for k, v in reply.metrics.items()}
+    metrics[records.NUM_EXAMPLES] = int(reply.num_samples)
+    parts = {REPLY_PART: reply.tensors} if reply.tensors else {}
+    return RecordDict({records.INFO: ConfigRecord({"site": site, "round": int(rnd), "exchange": int(exchange_id)}),
+                       records.METRICS: MetricRecord(metrics), **records.weights_records(parts)})
+
+
+def decode_reply(content: RecordDict, site: str, rnd: int, exchange_id: int) -> Reply:
+    """Decode ``site``'s answer strictly (:class:`WeightsError` otherwise)."""
+    from engine.fl.exchange import Reply
+
+    what = f"answer of {site} (round {rnd}, exchange {exchange_id})"
+    unknown = sorted(k for k in content
+                     if k not in (records.INFO, records.METRICS, records.LAYOUT, records.WEIGHTS_PREFIX + REPLY_PART))
+    if unknown:
+        raise WeightsError(f"{what} has unexpected records {unknown}")
+    info = content.config_records.get(records.INFO)
+    metrics_record = content.metric_records.get(records.METRICS)
+    if info is None or metrics_record is None:
+        raise WeightsError(f"{what} lacks its 'fedsm' or 'metrics' record")
+    if info.get("site") != site or info.get("round") != rnd or info.get("exchange") != exchange_id:
+        raise WeightsError(f"{what} claims site {info.get('site')!r}, round {info.get('round')!r}, "
+                           f"exchange {info.get('exchange')!r}")
+    metrics: dict[str, float] = {}
+    for key, value in metrics_record.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise WeightsError(f"{what}: metric {key!r} is not a number")
+        metrics[key] = float(value)
+    num = metrics.pop(records.NUM_EXAMPLES, None)
+    if num is None or not math.isfinite(num) or num != int(num) or num < 0:
+        raise WeightsError(f"{what}: '{records.NUM_EXAMPLES}' must be a non-negative integer, got {num}")
+    return Reply(_tensors(content, REPLY_PART, what), metrics, int(num))
+
+
+# --- coordinator -----------------------------------------------------------------------------
+class DialogueRunner(FederationRunner):
+    """:class:`FederationRunner` for an :class:`ExchangeMethod`: a round is the method's dialogue.
+
+    Sites that are offline, time out, answer with an error or with a reply the method refuses
+    reach the dialogue as :class:`~engine.fl.exchange.Failure` (the method decides what a
+    missing answer means: BlackFed ends that site's turn). Checkpoints, ``round_start`` /
+    ``round_end`` events and the summary are the same as for one-exchange methods.
+    """
+
+    method: ExchangeMethod  # type: ignore[assignment]
+
+    def _round(self, grid: Grid, state: WeightSet, rnd: int, writer: CheckpointWriter) -> WeightSet:
+        from engine.fl.exchange import Failure, tensor_bytes
+
+        total = self.method.total_rounds
+        started = time.monotonic()
+        self.events.emit("round_start", round=rnd, rounds=total, method=self.method.name)
+        self.wait_for_rejoin(grid)
+        online = self.online_sites(grid)
+        left_out: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        bytes_to: dict[str, int] = {}
+        bytes_from: dict[str, int] = {}
+        dialogue = self.method.dialogue(state, rnd)
+        exchange_id = 0
+        try:
+            requests = next(dialogue)
+            while True:
+                self._check_cancel()
+                answers: dict[str, Reply | Failure] = {}
+                messages: dict[str, Message] = {}
+                sent: dict[str, Request] = {}
+                for site, request in requests.items():
+                    exchange_id += 1
+                    if site not in online:
+                        online = self.online_sites(grid)
+                    if site not in online:
+                        answers[site] = Failure("not connected")
+                        left_out[site] = "not connected"
+                        continue
+                    self.method.check_request(request)  # the coordinator sends only what the method declares
+                    content = encode_request(request, rnd=rnd, rounds=total, method=self.method.name,
+                                             spec_json=self.spec_json, session=self.session, site=site,
+                                             exchange_id=exchange_id)
+                    bytes_to[site] = bytes_to.get(site, 0) + records.record_bytes(content)
+                    counts[site] = counts.get(site, 0) + 1
+                    messages[site] = self._message(content, online[site], rnd)
+                    sent[site] = request
+                ids = {site: int(m.content.config_records[records.INFO]["exchange"]) for site, m in messages.items()}
+                replies, missing = exchange(grid, messages, self.settings.round_timeout, self.settings.poll_interval,
+                                            self._check_cancel_flag)
+                for site, reason in missing.items():
+                    answers[site] = Failure(reason)
+                    left_out[site] = reason
+                    self.events.error(f"round {rnd}: {reason}", site=site, round=rnd)
+                for site, message in replies.items():
+                    answers[site] = self._decode(message, sent[site], site, rnd, ids[site], left_out)
+                    if not isinstance(answers[site], Failure):
+                        bytes_from[site] = bytes_from.get(site, 0) + tensor_bytes(answers[site].tensors)
+                requests = dialogue.send(answers)
+        except StopIteration as stop:
+            state = stop.value
+        wall_s = time.monotonic() - started
+        answered = sorted(s for s in counts if s not in left_out)
+        record = {"round": rnd, "answered": answered, "left_out": left_out, "wall_s": round(wall_s, 3),
+                  "exchanges": counts, "bytes_to_sites": sum(bytes_to.values()),
+                  "bytes_from_sites": sum(bytes_from.values())}
+        self.history.append(record)
+        writer.submit(Checkpoint(rnd, state, self.spec_json, self.session, self.app_hash, list(self.history)),
+                      self.checkpoint_path)
+        self.events.emit("round_end", round=rnd, rounds=total, method=self.method.name, wall_s=round(wall_s, 3),
+                         answered=answered, left_out=left_out, exchanges=counts)
+        return state
+
+    def _message(self, content: RecordDict, node: int, rnd: int) -> Message:
+        from flwr.app import Message
+
+        return Message(content, dst_node_id=node, message_type=EXCHANGE, group_id=str(rnd),
+                       ttl=self.settings.round_timeout)
+
+    def _decode(self, message: Message, request: Request, site: str, rnd: int, exchange_id: int,
+                left_out: dict[str, str]) -> Any:
+        from engine.fl.exchange import Failure
+
+        if message.has_error():
+            reason = f"the site answered with an error: {message.error.reason}"
+        else:
+            try:
+                reply = decode_reply(message.content, site, rnd, exchange_id)
+                self.method.validate_reply(request, site, reply)
+                return reply
+            except (FedSMError, WeightsError) as exc:
+                reason = f"answer rejected: {exc}"
+        left_out[site] = reason
+        self.events.error(reason, site=site, round=rnd)
+        return Failure(reason)
+
+
+# --- site ------------------------------------------------------------------------------------
+def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
+    """Site half of one exchange: rebuild the method, answer with the site's data, record what leaves.
+
+    ``worker`` is the site's :class:`engine.fl.client_app.SiteWorker`; the site's runtime (its
+    private state: BlackFed's client net) lives in the worker between exchanges and is saved
+    after every answer (``state/<session>/after-round-N``), so a restarted site resumes from
+    the round before.
+    """
+    from engine.federation.flower.client_app import PendingReport
+    from engine.fl.exchange import ExchangeMethod
+    from engine.fl.methods import SiteRuntime
+
+    received_at = time.monotonic()
+    info, request = decode_request(content)
+    site, rnd, exchange_id = str(info["site"]), int(info["round"]), int(info["exchange"])
+    if site != worker.cfg.name:
+        raise ConfigError(f"the coordinator addressed this exchange to site {site!r}, but this is "
+                          f"{worker.cfg.name!r}; check the site name enrolled for this key")
+    method, spec = worker.method(str(info["spec"]))
+    if not isinstance(method, ExchangeMethod):
+        raise ConfigError(f"method {spec.method!r} is not a dialogue method; the coordinator sent an exchange")
+    if method.SHARES_ACTIVATIONS and not getattr(worker.cfg, "share_activations", False):
+        raise ConfigError(f"{spec.method} sends activations of this site's images and their masks to the "
+                          "coordinator, and this site has not agreed to that; read docs/federation.md (split "
+                          "learning) and set [site] share_activations = true to take part")
+    method.check_request(request)  # refuse anything the method does not declare before using it
+    session = str(info["session"])
+    runtimes: dict[tuple[str, str], SiteRuntime] = worker.__dict__.setdefault("_dialogue_runtimes", {})
+    data = worker.data(spec.task, spec.image_size)
+    key = (session, str(info["spec"]))
+    runtime = runtimes.get(key)
+    if runtime is None:
+        runtime = SiteRuntime(worker.cfg.name, spec.site_names.index(worker.cfg.name), data.train,
+                              load_site_state_before(worker.state_dir, session, rnd), validation=data.validation)
+        runtimes[key] = runtime
+    worker.events.emit("received", round=rnd, rounds=int(info["rounds"]), method=str(info["method"]),
+                       bytes=records.record_bytes(content), action=request.action, exchange=exchange_id,
+                       contents={"tensors": {k: method.REQUEST_CONTENTS[k] for k in request.tensors}})
+    started = time.monotonic()
+    try:
+        reply = method.answer(request, runtime, None, worker.cancel)
+    except CancelledError:
+        raise
+    save_site_state(worker.state_dir, session, rnd, runtime.state)
+    answer_s = time.monotonic() - started
+    out = encode_reply(reply, site=site, rnd=rnd, exchange_id=exchange_id)
+
+    def report() -> None:
+        worker.events.emit("sent", round=rnd, bytes=records.record_bytes(out), action=request.action,
+                           exchange=exchange_id, answer_s=round(answer_s, 4),
+                           wall_s=round(time.monotonic() - received_at, 4),
+                           contents={"tensors": {k: method.REPLY_CONTENTS.get(k, "?") for k in reply.tensors},
+                                     "shapes": {k: list(v.shape) for k, v in reply.tensors.items()},
+                                     "num_examples": reply.num_samples, "metrics": sorted(reply.metrics)})
+
+    worker.after_reply = PendingReport(report)
+    return out
+
+
+__all__ = ["EXCHANGE", "DialogueRunner", "answer_exchange", "decode_reply", "decode_request", "encode_reply",
+           "encode_request"]
