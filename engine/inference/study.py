@@ -17,6 +17,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -285,11 +286,15 @@ def _records(prediction: Prediction, model_names: list[str], prob_names: list[st
     return tuple(records)
 
 
-def _disc_box(study: Study, meta: BundleMetadata) -> CropBox | None:
-    """The disc-centred crop a photo gets under the bundle's ``extra["fundus_crop"]`` (``None``: whole photo)."""
+def _disc_box(study: Study, meta: BundleMetadata | Any) -> CropBox | None:
+    """The disc-centred crop a photo gets under the bundle's ``extra["fundus_crop"]`` (``None``: whole photo).
+
+    Metadata without ``extra`` (a split bundle's view) means no crop.
+    """
     from engine.data.disc_crop import CROP_MODES, disc_box
 
-    mode = meta.extra.get("fundus_crop", "none") if isinstance(meta.extra, dict) else "none"
+    extra = getattr(meta, "extra", None)
+    mode = extra.get("fundus_crop", "none") if isinstance(extra, dict) else "none"
     if study.kind != "photo" or mode not in CROP_MODES:
         return None
     return disc_box(np.asarray(study.array, dtype=np.uint8), mode)
