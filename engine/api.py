@@ -294,3 +294,14 @@ def app_hash() -> str:
     from engine.federation.flower.app_bundle import build_app_bundle
 
     return build_app_bundle().hash
+
+
+def format_run_settings(settings: dict[str, Any]) -> str:
+    """One line an operator reads before training starts: the run's settings from a ``run_settings`` event.
+
+    ``settings`` is the event's ``settings`` (what the coordinator signed and this site checked
+    against the ``[bounds]`` of its site.toml; see ``engine.security.run_spec``).
+    """
+    from engine.security.run_spec import format_settings
+
+    return format_settings(settings)

@@ -144,9 +144,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         if isinstance(t, dict) and "received_per_site_round" in t:
             lines.append(f"| {METHOD_TITLES.get(name, name)} | {_mib(t['received_per_site_round'])} | "
                          f"{_mib(t['sent_per_site_round'])} |")
-    lines += ["", "## Wall time", "", "| method | seconds |", "|---|---|"]
+    keep = cfg.get("keep_best", False)
+    lines += ["", "## Wall time and evaluated round", "",
+              "| method | seconds | evaluated round" + (" (best by validation Dice)" if keep else "") + " |",
+              "|---|---|---|"]
     for name, r in report["methods"].items():
-        lines.append(f"| {METHOD_TITLES.get(name, name)} | {r['wall_s']:.1f} |")
+        best = r.get("best_round")
+        lines.append(f"| {METHOD_TITLES.get(name, name)} | {r['wall_s']:.1f} | {best if best is not None else '—'} |")
     if report.get("supermodel"):
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():

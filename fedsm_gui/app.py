@@ -98,7 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--version", action="version", version=f"fedsm-gui {__version__}")
     parser.add_argument("path", nargs="?", help="a fundus photo, a NIfTI/MHA/NRRD volume or a DICOM folder to open")
     parser.add_argument("--demo", action="store_true", help="open the embedded demo (trains a small demo super "
-                        "model on first start, about a minute on a CPU, then cached)")
+                        "model on first start, then cached; docs/gui.md gives the measured time)")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"demo cache (default {default_cache_dir()})")
     parser.add_argument("--model", type=Path, default=None, help="super-model bundle (.safetensors) to load")
     parser.add_argument("--quit-when-ready", action="store_true", help="for scripted checks: exit with status 0 "

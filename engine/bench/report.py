@@ -28,6 +28,8 @@ from engine.tasks import get_task
 
 READING_START, READING_END = "<!-- reading:start -->", "<!-- reading:end -->"
 DEFAULT_READING = "_No reading written yet: add one between the reading markers; regeneration keeps it._"
+#: A hand-written study kept whatever preset regenerates the file (it names its own commands and numbers).
+RECIPE_START, RECIPE_END = "<!-- recipe:start -->", "<!-- recipe:end -->"
 T = tables.METHOD_TITLES
 
 
@@ -440,6 +442,16 @@ def _read_reading(path: Path, preset_name: str | None = None) -> str:
     return m.group(1).strip() if m and m.group(1).strip() else DEFAULT_READING
 
 
+def _read_recipe(path: Path) -> str | None:
+    """The hand-written convergence-recipe section of an existing ``results.md`` (kept for every preset)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return None
+    m = re.search(re.escape(RECIPE_START) + r"\n?(.*?)\n?" + re.escape(RECIPE_END), text, re.S)
+    return m.group(1).strip() if m and m.group(1).strip() else None
+
+
 def _jobs_line(docs: Mapping[JobKey, dict[str, Any]] | None, results: Mapping[JobKey, Any]) -> str:
     if docs is None:
         return "- Jobs behind the tables: provenance not available."
@@ -453,7 +465,7 @@ def _jobs_line(docs: Mapping[JobKey, dict[str, Any]] | None, results: Mapping[Jo
 
 def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dict[str, Any],
            img: Callable[[str], tuple[Path, str]], reading: str = DEFAULT_READING,
-           docs: Mapping[JobKey, dict[str, Any]] | None = None) -> str:
+           docs: Mapping[JobKey, dict[str, Any]] | None = None, recipe: str | None = None) -> str:
     """The whole markdown document.
 
     ``docs`` are the cache documents of ``results`` (for each job's machine and finish time);
@@ -499,7 +511,10 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
     ]
     if run["failed"]:
         lines += ["", "Failed in this invocation: " + "; ".join(f"{k}: {v}" for k, v in run["failed"].items())]
-    lines += ["", "## Reading", "", READING_START, reading, READING_END, "", "## Main comparison (the paper's Table 3)",
+    lines += ["", "## Reading", "", READING_START, reading, READING_END]
+    if recipe:
+        lines += ["", "## Convergence recipe", "", RECIPE_START, recipe, RECIPE_END]
+    lines += ["", "## Main comparison (the paper's Table 3)",
               "", "Paper (client average, 6 real sites, 256 px, 150 rounds): retinal — Centralized 0.8898, FedAvg "
               "0.8710, FedProx 0.8434, Scaffold 0.8141, FedSM 0.8914, FedSM-extra 0.8905; prostate — Centralized "
               "0.8737, FedAvg 0.8684, FedSM 0.8763.", ""]
@@ -532,7 +547,8 @@ def write_report(cache: ResultCache, preset: BenchPreset, meta: dict[str, Any], 
         return img_dir / name, f"{img_prefix}/{name}"
 
     reading = _read_reading(target, preset.name) if preserve_reading else DEFAULT_READING
-    write_text_atomic(target, render(results, preset, meta, img, reading, docs))
+    recipe = _read_recipe(target) if preserve_reading else None
+    write_text_atomic(target, render(results, preset, meta, img, reading, docs, recipe))
     return target
 
 

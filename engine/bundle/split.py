@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import engine
 from engine.bundle.supermodel import PathLike, _read_header, check_site_name, file_sha256
-from engine.errors import BundleError, ConfigError
+from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
 from engine.tasks import get_task
 
@@ -75,13 +75,20 @@ class SplitMetadata:
 
     @classmethod
     def from_json(cls, text: str) -> SplitMetadata:
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise BundleError(f"its split-network metadata is not valid JSON ({exc})") from None
+        from engine.io.guard import load_json
+
+        if not isinstance(text, str):
+            raise BundleError(f"its split-network metadata is a {type(text).__name__}, not JSON text")
+        try:  # nesting bounded: a deeply nested value is an error, not a RecursionError
+            raw = load_json(text, "its split-network metadata")
+        except DataError as exc:
+            raise BundleError(str(exc)) from None
         if not isinstance(raw, dict) or raw.get("format") != SPLIT_FORMAT:
             raise BundleError(f"it was not written by FedSM (metadata format is not {SPLIT_FORMAT!r})")
-        if int(raw.get("format_version", 0)) > SPLIT_FORMAT_VERSION:
+        version = raw.get("format_version", 0)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise BundleError(f"its split-bundle format_version {version!r} is not an integer")
+        if version > SPLIT_FORMAT_VERSION:
             raise BundleError(f"it uses split-bundle version {raw['format_version']}; update FedSM to open it")
         unknown = sorted(set(raw) - {f.name for f in fields(cls)})
         if unknown:

@@ -34,7 +34,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the task the data is for (default: the datalist's 'task', else from its first image)")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     add_allow_outside(p)
+    add_orientation_option(p)
     p.set_defaults(handler=validate_data_command)
+
+
+def add_orientation_option(p: argparse.ArgumentParser) -> None:
+    """``--tolerate-orientation DEG``: accept masks on the image's grid whose orientation header differs slightly."""
+    p.add_argument("--tolerate-orientation", type=float, default=0.0, metavar="DEG",
+                   help="accept a label volume whose orientation differs from its image's by up to DEG degrees "
+                        "when it is otherwise on the image's voxel grid (same shape, spacing and origin); it is "
+                        "taken voxel for voxel, never resampled (default 0: refused, the message gives the angle)")
+
+
+def apply_orientation_option(args: argparse.Namespace) -> None:
+    """Set the process-wide mask orientation tolerance from ``--tolerate-orientation``."""
+    from engine.io.masks import set_orientation_tolerance
+
+    set_orientation_tolerance(getattr(args, "tolerate_orientation", 0.0))
 
 
 def add_allow_outside(p: argparse.ArgumentParser) -> None:
@@ -88,6 +104,7 @@ def validate_data_command(args: argparse.Namespace) -> int:
     from engine.data.datalist import outside_paths_allowed
 
     setup_logging(args.verbose)
+    apply_orientation_option(args)
     with outside_paths_allowed(args.allow_outside):
         report = api.validate_data(args.datalists, convention=args.convention, task=args.task)
     if args.json:

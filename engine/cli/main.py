@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fundus-crop", choices=["none", "auto"], default="none",
                    help="auto: crop full fundus photographs (dark corners) around the optic disc, at training and "
                         "(recorded in the bundle) at inference, so crops and full photos can share a federation")
+    from engine.cli.data_commands import add_orientation_option
+
+    add_orientation_option(p)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", type=Path, required=True)
 
@@ -184,9 +187,11 @@ def _run(args: argparse.Namespace) -> int:
             print(p)
         return 0
     if args.command == "simulate":
+        from engine.cli.data_commands import apply_orientation_option
         from engine.cli.progress import TerminalProgress
         from engine.data.datalist import outside_paths_allowed
 
+        apply_orientation_option(args)
         data_dir, datalists = _simulation_data(args.data)
         setup_logging(args.verbose, args.out / "simulate.log")
         progress = TerminalProgress(args.out / "events.jsonl")

@@ -77,9 +77,12 @@ def _json_out(path: Path | None, doc: dict) -> None:
     if path is None:
         return
     from engine.io.atomic import write_text_atomic
+    from engine.io.privacy import scrub_absolute_paths
 
     if path.is_dir():
         raise ConfigError(f"{path}: is a folder; give a file name for the JSON, e.g. {path / 'evaluation.json'}")
+    # Folder names can name patients or sites: paths relative to the report's folder, else file names.
+    doc = scrub_absolute_paths(doc, path.absolute().parent)
     write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 

@@ -137,7 +137,11 @@ def round_banner(method: Any) -> str:
     if extra <= 0:
         return text
     selector = int(getattr(method, "extra_rounds", 0) or 0)
+    warmup = int(getattr(method, "selector_warmup", 0) or 0)
     parts = []
+    if warmup:
+        parts.append(f"+{warmup} selector warm-up round{'s' if warmup != 1 else ''}")
+        extra -= warmup
     if selector:
         parts.append(f"+{selector} selector round{'s' if selector != 1 else ''}")
     if extra - selector > 0:

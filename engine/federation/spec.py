@@ -48,6 +48,7 @@ class MethodSpec:
     selector_calibration: str = "none"
     selector_warmup: int = 0
     selector_epochs: int = 1
+    selector_bn: str = "batch"
     routing_guard: bool = True
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = "none"
@@ -167,6 +168,7 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=default_selector_lr(scheme, spec.selector_lr),
                                    selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
+                                   selector_bn=spec.selector_bn,
                                    selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":

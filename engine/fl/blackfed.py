@@ -249,6 +249,15 @@ class BlackFed(ExchangeMethod):
         opt.step()
         return float(loss.detach())
 
+    def max_reply_bytes(self) -> int | None:
+        """A client step's upload: ``2P x B`` activation maps (float32) and ``B`` masks (uint8)."""
+        size = self.config.image_size
+        if not size:
+            return None
+        b, pixels = self.config.batch_size, size * size
+        copies = max(self.copies_per_image(self.CLIENT_ACTION), 1)
+        return copies * b * self.config.channels * pixels * 4 + b * self.task.out_channels * pixels
+
     def copies_per_image(self, action: str) -> int:
         """Activation maps per image in a reply to ``action`` (SPSA: ``2P`` probe points)."""
         return 2 * self.config.perturbations if action == self.CLIENT_ACTION else 1

@@ -157,6 +157,13 @@ class ExchangeMethod(ABC):
         if reply.num_samples < 0:
             raise WeightsError(f"reply of {site} reports {reply.num_samples} samples")
 
+    def max_reply_bytes(self) -> int | None:
+        """Raw tensor bytes of the largest reply a site may send (``None``: not known in advance).
+
+        The network transport sizes the coordinator's upload limit from it.
+        """
+        return None
+
     # --- evaluation (simulation and benchmarks) ---------------------------------------------
     @abstractmethod
     def segmenter(self, state: WeightSet, sites: list[SiteRuntime],

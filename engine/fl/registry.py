@@ -29,6 +29,10 @@ EXCHANGE_METHODS: dict[str, str] = {
     "split-whitebox": "engine.fl.split_whitebox:build_split_whitebox",
 }
 
+#: Dialogue methods that send activations of a site's images (split learning): a network site
+#: runs them only with ``[site] share_activations = true`` (docs/federation.md §10).
+SPLIT_LEARNING_METHODS: tuple[str, ...] = ("blackfed-v1", "blackfed-v2", "split-whitebox")
+
 
 def build_exchange_method(name: str, task: TaskSpec, site_names: list[str],
                           settings: Mapping[str, Any]) -> ExchangeMethod:

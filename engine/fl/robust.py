@@ -11,8 +11,8 @@ screens every decoded, shape-checked update (:func:`screen_update`):
   enrolment), or, for a site without one, the count of its first accepted answer in this
   coordinator process times ``num_examples_growth`` (default 1.0: a site's training set does
   not grow during a run), and never ``max_num_examples`` (default 10^7).
-- **Update size.** For every part of the update that has a reference in the round's model
-  (the global model, the site's personalized model, the selector, Scaffold's control), the
+- **Update size.** For every model part of the update (:data:`NORM_PARTS`: the global model,
+  the site's personalized model, the selector, Scaffold's control change), the
   relative change ``||update - reference|| / ||reference||`` must not exceed
   ``max_relative_update`` (default 10.0; a round of local training moves a model by a few
   percent to a few tenths of its norm, see docs/federation.md). A part whose reference is all
@@ -53,6 +53,10 @@ MAX_RELATIVE_UPDATE = 10.0
 #: Default largest sample count any site may claim.
 MAX_NUM_EXAMPLES = 10_000_000
 AGGREGATIONS = ("mean", "median", "trimmed_mean")
+#: Update parts that are model weights (or Scaffold's control change): the ones whose size is bounded.
+#: Optimizer state a method may carry along (e.g. the selector's Adam moments) is not a model and
+#: legitimately changes by orders of magnitude relative to its previous value.
+NORM_PARTS = ("global", "personal", "selector", "control_delta")
 #: Methods whose ``global`` and ``selector`` parts are a plain weighted mean of the sites' parts.
 _MEAN_METHODS = {"fedavg", "fedprox", "fedsm", "fedsm-extra"}
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
@@ -178,7 +182,8 @@ class UpdateScreen:
         if not isinstance(update.num_samples, int) or not 0 < update.num_samples <= bound:
             raise UpdateRejected(f"update from {site} claims {update.num_samples} training samples, more than the "
                                  f"{bound} allowed for it ([robust] num_examples / max_num_examples)")
-        reference = method.expected_update_shapes(state, site)
+        reference = {part: ref for part, ref in method.expected_update_shapes(state, site).items()
+                     if part in NORM_PARTS}
         norms = {part: _norm(ref) for part, ref in reference.items()}
         largest = max(norms.values(), default=0.0)
         weights = dict(update.weights)

@@ -140,7 +140,15 @@ def frame_voxel_index(plane: PlaneGeometry, affine: np.ndarray, shape: Sequence[
     if abs(row_unit[row_axis]) != 1 or abs(col_unit[col_axis]) != 1:
         raise _OffGrid(f"its pixel size differs from the study's voxel size ({steps})")
     if drift > GRID_TOLERANCE:
-        raise _OffGrid(f"its pixels fall up to {drift:.2f} voxel from the study's voxel centres ({steps})")
+        # Angles in millimetres (world space): voxel space distorts them when spacing is anisotropic.
+        axes = np.asarray(affine, dtype=float)[:3, :3]
+        turned = [float(np.degrees(np.arccos(min(1.0, abs(float(direction @ axes[:, axis]))
+                                                  / float(np.linalg.norm(axes[:, axis]))))))
+                  for direction, axis in ((orientation[3:] * _LPS_TO_RAS, row_axis),
+                                          (orientation[:3] * _LPS_TO_RAS, col_axis))]
+        angle = (f"; its orientation differs from the study's by {max(turned):.2f} degrees (column direction "
+                 f"{turned[0]:.2f}, row direction {turned[1]:.2f})" if max(turned) >= 0.01 else "")
+        raise _OffGrid(f"its pixels fall up to {drift:.2f} voxel from the study's voxel centres ({steps}{angle})")
     start_index = start.astype(np.int64)
     rows = np.arange(plane.rows, dtype=np.int64)[:, None]
     cols = np.arange(plane.columns, dtype=np.int64)[None, :]

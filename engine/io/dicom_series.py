@@ -514,7 +514,8 @@ def _check_consistent(key: str, planes: list[_Plane]) -> None:
         if (p.orientation is None) != (first.orientation is None) or (
                 p.orientation is not None and np.abs(p.orientation - first.orientation).max() > _ORIENTATION_TOLERANCE):
             raise DataError(f"series {key} has slices of two orientations ({_vector(first.orientation)} in "
-                            f"{first.file.path.name} and {_vector(p.orientation)} in {p.file.path.name}), e.g. a "
+                            f"{first.file.path.name} and {_vector(p.orientation)} in {p.file.path.name}"
+                            f"{_angle_text(first.orientation, p.orientation)}), e.g. a "
                             "localizer; choose one series, or move the slices of each orientation into their own "
                             "folder")
     for p in planes[1:]:
@@ -522,6 +523,22 @@ def _check_consistent(key: str, planes: list[_Plane]) -> None:
                 p.spacing is not None and not np.allclose(p.spacing, first.spacing, rtol=_SPACING_TOLERANCE, atol=0)):
             raise DataError(f"series {key} has slices with two pixel spacings ({first.spacing} mm in "
                             f"{first.file.path.name} and {p.spacing} mm in {p.file.path.name}); choose one series")
+
+
+def _angle_text(a: np.ndarray | None, b: np.ndarray | None) -> str:
+    """``", planes 12.3 degrees apart"`` for two ImageOrientationPatient values; empty when one is missing."""
+    if a is None or b is None:
+        return ""
+    normals = [np.cross(v[:3], v[3:]) for v in (a, b)]
+    lengths = [float(np.linalg.norm(n)) for n in normals]
+    if min(lengths) == 0:
+        return ""
+    cos = abs(float(normals[0] @ normals[1])) / (lengths[0] * lengths[1])
+    degrees = float(np.degrees(np.arccos(min(1.0, cos))))
+    if degrees < 0.01:  # same plane, rotated in it
+        rows = float(np.degrees(np.arccos(np.clip(float(a[:3] @ b[:3]), -1.0, 1.0))))
+        return f", rotated {rows:.2f} degrees within the plane"
+    return f", planes {degrees:.2f} degrees apart"
 
 
 def _vector(values: np.ndarray | None) -> str:
@@ -654,11 +671,11 @@ def _decode_file(item: DicomFile) -> tuple[np.ndarray, bool]:
     return np.asarray(pixels), rescaled
 
 
-def _check_series_size(key: str, shape: tuple[int, int, int]) -> None:
+def _check_series_size(where: str, shape: tuple[int, int, int]) -> None:
     """Refuse a series whose float32 volume would exceed :data:`MAX_VOXELS` before reserving it."""
     voxels = shape[0] * shape[1] * shape[2]
     if voxels > MAX_VOXELS:
-        raise DataError(f"series {key}: {shape[2]} slices of {shape[0]}x{shape[1]} pixels ({voxels:,} voxels), more "
+        raise DataError(f"{where}: {shape[2]} slices of {shape[0]}x{shape[1]} pixels ({voxels:,} voxels), more "
                         f"than the {MAX_VOXELS:,} FedSM reads; the headers are damaged, or crop/downsample the "
                         "series first")
 
@@ -853,7 +870,7 @@ def read_series(files: list[DicomFile], source: Path, progress: ProgressFn | Non
     first = planes[0]
     ras = LPS_TO_RAS @ lps
     shape = (first.columns, first.rows, len(planes))  # (c, r, k): i along the row direction
-    _check_series_size(key, shape)
+    _check_series_size(f"{source}: series {key}", shape)
     try:
         ornt, affine, _ = canonical_layout(ras, shape)
     except DataError as exc:
@@ -985,6 +1002,9 @@ def series_beside(path: PathLike, series_uid: str | None = None) -> tuple[str, l
     with dicom_damage(p):
         item = _classify(p, ds, p.parent)
     if item is None:
+        if _text(ds, "Modality").upper() == "RTSTRUCT":
+            raise DataError(f"{p}: is an RT Structure Set (contours: a mask, not an image); open the image series it "
+                            "outlines, then load the RTSTRUCT as its mask")
         raise DataError(f"{p}: a DICOM object without pixels ({_text(ds, 'Modality') or 'unknown modality'}); "
                         "open an image series")
     if item.is_seg and series_uid is None:

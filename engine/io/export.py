@@ -277,13 +277,10 @@ def embedded_provenance(path: Path, fmt: str) -> Provenance | None:
                 return Provenance.from_json(ext.get_content(), f"{path} (header extension)")
         return None
     if fmt == "png":
-        from PIL import Image, UnidentifiedImageError
+        from engine.io.guard import open_image
 
-        try:
-            with Image.open(path) as img:
-                text: dict[str, Any] = dict(getattr(img, "text", {}))
-        except (UnidentifiedImageError, OSError) as exc:
-            raise DataError(f"{path}: not a readable PNG ({exc})") from None
+        with open_image(path, "PNG") as img:
+            text: dict[str, Any] = dict(getattr(img, "text", {}))
         return Provenance.from_json(str(text[PNG_KEY]), f"{path} ({PNG_KEY} chunk)") if PNG_KEY in text else None
     return None
 

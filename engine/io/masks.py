@@ -7,7 +7,9 @@
   compression changes label values;
 - NIfTI, MHA/MHD, NRRD/NHDR label volumes and DICOM image series of labels (a folder or one of
   its files) for volumes, put in the study's RAS+ canonical order through their own geometry;
-- DICOM SEG files, through :func:`engine.io.dicom_seg.read_dicom_seg`.
+- DICOM SEG files, through :func:`engine.io.dicom_seg.read_dicom_seg`;
+- DICOM RT Structure Sets (RTSTRUCT): contours rasterised onto the study by
+  :func:`engine.io.rtstruct.read_rtstruct`.
 
 The mask's geometry must be the study's: the same shape, and every voxel centre within
 :data:`GRID_TOLERANCE` voxel of the study's (so a NIfTI written by another tool in another voxel
@@ -46,6 +48,11 @@ PathLike = str | os.PathLike[str]
 
 #: Largest distance, in voxels, between a mask voxel's centre and the study voxel it is taken for.
 GRID_TOLERANCE = 0.1
+#: Axes closer than this (degrees) count as the same orientation in messages (header rounding).
+SAME_ORIENTATION_DEG = 0.01
+#: Largest ``--tolerate-orientation`` accepted: beyond it a mask is not "on the same grid".
+MAX_TOLERATED_DEG = 10.0
+_ORIENTATION_TOLERANCE = {"degrees": 0.0}
 _LABEL_IMAGE_SUFFIXES = (".png", ".tif", ".tiff", ".bmp")
 
 
@@ -81,6 +88,61 @@ def describe_geometry(shape: tuple[int, ...], affine: np.ndarray) -> str:
             f"origin ({origin}) mm RAS")
 
 
+def set_orientation_tolerance(degrees: float) -> None:
+    """Accept masks whose orientation header differs from the study's by up to ``degrees`` (process-wide).
+
+    Set from ``--tolerate-orientation DEG`` by ``fedsm validate-data`` and ``fedsm simulate``;
+    :func:`read_mask`'s own ``tolerate_orientation`` argument overrides it. Such a mask must
+    otherwise be on the study's voxel grid: same shape and spacing, and a corner or the centre
+    of its grid within half a voxel of the study's; it is then taken voxel for voxel (logged),
+    never resampled.
+
+    Raises
+    ------
+    ConfigError
+        When ``degrees`` is not a number in ``[0, MAX_TOLERATED_DEG]``.
+    """
+    from engine.errors import ConfigError
+
+    if not isinstance(degrees, int | float) or not np.isfinite(degrees) or not 0 <= degrees <= MAX_TOLERATED_DEG:
+        raise ConfigError(f"--tolerate-orientation must be a number of degrees in [0, {MAX_TOLERATED_DEG:g}], got "
+                          f"{degrees!r}")
+    _ORIENTATION_TOLERANCE["degrees"] = float(degrees)
+
+
+def orientation_tolerance() -> float:
+    """The process-wide orientation tolerance in degrees (0 unless :func:`set_orientation_tolerance` was called)."""
+    return _ORIENTATION_TOLERANCE["degrees"]
+
+
+def axis_angles(affine: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """Angle in degrees between each voxel axis of ``affine`` and the same axis of ``other``."""
+    a = np.asarray(affine, dtype=float)[:3, :3]
+    b = np.asarray(other, dtype=float)[:3, :3]
+    a = a / np.linalg.norm(a, axis=0)
+    b = b / np.linalg.norm(b, axis=0)
+    return np.degrees(np.arccos(np.clip((a * b).sum(axis=0), -1.0, 1.0)))
+
+
+def _same_grid_but_orientation(shape: tuple[int, ...], affine: np.ndarray, study: Study) -> bool:
+    """Same shape and spacing (0.1 %) as the study, and the grids meet at a corner or the centre.
+
+    A tool that rounds the orientation keeps the origin of the file (a corner of the grid, in
+    whichever voxel order the file has), or turns the grid about its centre: within half a voxel
+    there, only the axes' directions differ.
+    """
+    affine = np.asarray(affine, dtype=float)
+    spacing = np.linalg.norm(affine[:3, :3], axis=0)
+    study_spacing = np.linalg.norm(np.asarray(study.affine, dtype=float)[:3, :3], axis=0)
+    if shape != tuple(study.shape) or not np.allclose(spacing, study_spacing, rtol=1e-3, atol=0):
+        return False
+    to_study = np.linalg.inv(np.asarray(study.affine, dtype=float)) @ affine
+    last = np.asarray(shape, dtype=float) - 1
+    points = np.array([[i, j, k] for i in (0, last[0]) for j in (0, last[1]) for k in (0, last[2])] + [last / 2])
+    mapped = (to_study[:3, :3] @ points.T + to_study[:3, 3:4]).T
+    return bool((np.abs(mapped - points).max(axis=1) <= 0.5).any())
+
+
 def _grid_offset(shape: tuple[int, ...], affine: np.ndarray, study: Study) -> np.ndarray | None:
     """Integer voxel offset of the mask's grid inside the study's, or ``None`` when it is not on it."""
     to_study = np.linalg.inv(np.asarray(study.affine, dtype=float)) @ np.asarray(affine, dtype=float)
@@ -94,7 +156,8 @@ def _grid_offset(shape: tuple[int, ...], affine: np.ndarray, study: Study) -> np
 
 
 def fit_to_study(array: np.ndarray, affine: np.ndarray, study: Study, path: Path,
-                 allow_partial: bool = True) -> tuple[np.ndarray, str | None]:
+                 allow_partial: bool = True, tolerate_orientation: float | None = None
+                 ) -> tuple[np.ndarray, str | None]:
     """Check a canonical mask volume against the study; place it when it covers part of the grid.
 
     Returns
@@ -105,8 +168,10 @@ def fit_to_study(array: np.ndarray, affine: np.ndarray, study: Study, path: Path
     Raises
     ------
     DataError
-        When the mask is not on the study's grid (message with both geometries), or covers only
-        part of it and ``allow_partial`` is false.
+        When the mask is not on the study's grid (message with both geometries, and the angle
+        when the orientations differ), or covers only part of it and ``allow_partial`` is false.
+        A mask on the study's grid whose orientation differs by at most ``tolerate_orientation``
+        degrees (default: :func:`orientation_tolerance`) is taken voxel for voxel.
     """
     shape = tuple(int(n) for n in array.shape)
     offset = _grid_offset(shape, affine, study)
@@ -125,6 +190,25 @@ def fit_to_study(array: np.ndarray, affine: np.ndarray, study: Study, path: Path
         out[offset[0]:end[0], offset[1]:end[1], offset[2]:end[2]] = array  # type: ignore[index]
         log.warning("%s; voxels outside it are set to 0", where)
         return out, f"covers {', '.join(axes)}"
+    angles = axis_angles(affine, study.affine)
+    worst = float(angles.max())
+    if worst > SAME_ORIENTATION_DEG:
+        limit = orientation_tolerance() if tolerate_orientation is None else float(tolerate_orientation)
+        same_grid = _same_grid_but_orientation(shape, affine, study)
+        turned = (f"the mask's orientation differs from the study's by {worst:.2f} degrees (axes i, j, k: "
+                  f"{', '.join(f'{a:.2f}' for a in angles)})")
+        if same_grid and worst <= limit:
+            log.warning("%s: %s; accepted voxel for voxel (orientation tolerance %g degrees)", path, turned, limit)
+            return array, None
+        suggested = float(np.ceil(worst * 100) / 100)
+        advice = (f"it has the image's shape and spacing and meets its grid, so if it was drawn on this image and "
+                  f"only its orientation header was rounded, accept it with --tolerate-orientation {suggested:g}"
+                  if same_grid and worst <= MAX_TOLERATED_DEG else
+                  "choose the mask made for this image, or resample it onto the image with nearest-neighbour "
+                  "interpolation first")
+        raise DataError(f"{path}: {turned} — mask: {describe_geometry(shape, affine)}; study {study.source or ''}: "
+                        f"{describe_geometry(study.shape, study.affine)}. FedSM never resamples masks silently: "
+                        f"{advice}")
     raise DataError(f"{path}: the mask's geometry does not match the study's — mask: "
                     f"{describe_geometry(shape, affine)}; study {study.source or ''}: "
                     f"{describe_geometry(study.shape, study.affine)}. FedSM never resamples masks silently: "
@@ -180,6 +264,12 @@ def _is_seg(path: Path) -> bool:
                 or str(meta.get("MediaStorageSOPClassUID", "") if meta is not None else "") == SEG_SOP_CLASS)
 
 
+def _is_rtstruct(path: Path) -> bool:
+    from engine.io.rtstruct import is_rtstruct
+
+    return is_rtstruct(path)
+
+
 def _photo_mask(path: Path, study: Study) -> np.ndarray:
     from engine.io.volumes import read_nifti_volume, volume_format
 
@@ -206,7 +296,8 @@ def _photo_mask(path: Path, study: Study) -> np.ndarray:
     return raw
 
 
-def _volume_mask(path: Path, study: Study, allow_partial: bool) -> tuple[np.ndarray, str | None]:
+def _volume_mask(path: Path, study: Study, allow_partial: bool, tolerate_orientation: float | None = None
+                 ) -> tuple[np.ndarray, str | None]:
     from engine.io.volumes import read_itk_volume, read_nifti_volume, to_canonical, volume_format
 
     fmt = volume_format(path)
@@ -216,14 +307,14 @@ def _volume_mask(path: Path, study: Study, allow_partial: bool) -> tuple[np.ndar
             array, canonical_affine = to_canonical(data, affine)
         except DataError as exc:
             raise DataError(f"{path}: {exc}") from exc
-        return fit_to_study(array, canonical_affine, study, path, allow_partial)
+        return fit_to_study(array, canonical_affine, study, path, allow_partial, tolerate_orientation)
     if path.is_dir() or path.suffix.lower() not in _LABEL_IMAGE_SUFFIXES:
         from engine.io.readers import open_study
 
         labels = open_study(path)
         if labels.kind != "volume":
             raise DataError(f"{path}: a colour DICOM image cannot be a mask; use a label series, NIfTI or DICOM SEG")
-        return fit_to_study(labels.array, labels.affine, study, path, allow_partial)
+        return fit_to_study(labels.array, labels.affine, study, path, allow_partial, tolerate_orientation)
     raise DataError(f"{path}: a {path.suffix} image is a 2D label map for photos; a volume's mask is NIfTI, "
                     "MHA/NRRD, a DICOM SEG or a DICOM label series")
 
@@ -242,7 +333,7 @@ def _integer_values(raw: np.ndarray, path: Path) -> tuple[int, ...]:
 
 
 def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | None = None,
-              allow_partial: bool = True) -> MaskReading:
+              allow_partial: bool = True, tolerate_orientation: float | None = None) -> MaskReading:
     """Read a mask onto ``study`` (see the module docstring), with the raw values of its file(s).
 
     Parameters
@@ -256,6 +347,10 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
         stored).
     allow_partial
         Whether a mask on a part of the study's grid is placed (the rest 0) or refused.
+    tolerate_orientation
+        Degrees by which a label volume's orientation may differ from the study's when it is
+        otherwise on the study's grid (see :func:`set_orientation_tolerance`, the default).
+        DICOM SEG and RTSTRUCT masks are placed by their own geometry and do not use it.
 
     Raises
     ------
@@ -275,10 +370,11 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
             raise DataError(f"{f}: mask not found; check the path" + (
                 f" (the {conv.name} convention needs {', '.join(p.name for p in files)})" if len(files) > 1 and conv
                 else ""))
-    if len(files) == 1 and _is_seg(files[0]):
+    if len(files) == 1 and (_is_seg(files[0]) or _is_rtstruct(files[0])):
         from engine.io.dicom_seg import read_dicom_seg
+        from engine.io.rtstruct import read_rtstruct
 
-        seg = read_dicom_seg(files[0], study)
+        seg = read_dicom_seg(files[0], study) if _is_seg(files[0]) else read_rtstruct(files[0], study)
         values = (tuple(int(v) for v in np.unique(seg.array)),)
         if conv is None:
             return MaskReading(seg, values)
@@ -289,7 +385,7 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
         if study.kind == "photo":
             raw = _photo_mask(f, study)
         else:
-            raw, note = _volume_mask(f, study, allow_partial)
+            raw, note = _volume_mask(f, study, allow_partial, tolerate_orientation)
             partial = partial or note
         raws.append(raw)
     values = tuple(_integer_values(r, f) for r, f in zip(raws, files, strict=True))

@@ -42,6 +42,8 @@ MAX_VOXELS = 1_000_000_000
 WINDOW_PERCENTILES = (0.5, 99.5)
 #: Voxels sampled for the window percentiles (a strided subsample: cheap on big volumes).
 _WINDOW_SAMPLES = 1_000_000
+#: Most bytes a ``.nii.gz`` may inflate to past its voxel data (nothing belongs there).
+MAX_TRAILING_BYTES = 16 << 20
 #: Bytes decompressed per read when a gzip stream is read on to its end to check its CRC.
 _GZIP_CHUNK = 1 << 20
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -198,8 +200,11 @@ def _gzip_damage(path: Path) -> BaseException | None:
             if fh.read(2) != _GZIP_MAGIC:
                 return None
         with gzip.open(path, "rb") as stream:
-            while stream.read(_GZIP_CHUNK):
-                pass
+            total = 0
+            while chunk := stream.read(_GZIP_CHUNK):
+                total += len(chunk)
+                if total > 4 * MAX_VOXELS:  # no voxel data is that long: stop reading a bomb
+                    return DataError(f"inflates to more than {4 * MAX_VOXELS / 2**30:.1f} GiB")
     except (*_GZIP_ERRORS, OSError) as exc:
         return exc
     return None
@@ -218,8 +223,12 @@ def _nifti_voxels(img: Any, path: Path) -> np.ndarray:
     with gzip.open(path, "rb") as stream:
         checked = type(img).from_stream(stream)
         data = np.asarray(checked.dataobj, dtype=np.float32)
-        while stream.read(_GZIP_CHUNK):
-            pass
+        trailing = 0
+        while chunk := stream.read(_GZIP_CHUNK):
+            trailing += len(chunk)
+            if trailing > MAX_TRAILING_BYTES:  # nothing follows a NIfTI's voxels: a bomb, not an image
+                raise DataError(f"{path}: more than {MAX_TRAILING_BYTES >> 20} MiB of compressed data follow the "
+                                "voxels; the file is damaged or hostile — re-export it")
     return data
 
 
@@ -260,6 +269,8 @@ def read_nifti_volume(path: PathLike) -> tuple[np.ndarray, np.ndarray, dict[str,
                         "convert it to one grey value per voxel")
     try:
         data = _nifti_voxels(img, p).reshape(shape)
+    except DataError:
+        raise
     except _GZIP_ERRORS as exc:
         raise _gzip_error(p, exc) from exc
     except Exception as exc:  # truncated data, wrong sizes in the header

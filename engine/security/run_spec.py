@@ -46,7 +46,8 @@ class RunSpecRefused(FedSMError):
 class SiteBounds:
     """The ``[bounds]`` table of ``site.toml``: what this site agrees to run (every key optional)."""
 
-    allowed_methods: tuple[str, ...] = ("fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra", "local")
+    #: ``None``: every method this installation can run over the network
+    allowed_methods: tuple[str, ...] | None = None
     max_rounds: int = 1000
     max_epochs: int = 20
     max_lr: float = 0.01
@@ -64,7 +65,7 @@ class SiteBounds:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
         out: dict[str, Any] = {}
         for key, value in table.items():
-            default = getattr(cls, key) if key != "allowed_methods" else ()
+            default = getattr(cls, key, None)
             if key == "allowed_methods":
                 if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
                     raise ConfigError(f"{where}: allowed_methods must be a list of method names")
@@ -79,18 +80,27 @@ class SiteBounds:
 
     def violations(self, spec: Mapping[str, Any]) -> list[str]:
         """What in the run's settings ``spec`` (a MethodSpec as a dict) breaks these bounds."""
+        from engine.federation.spec import FEDERATION_METHODS
+        from engine.fl.registry import EXCHANGE_METHODS
+
         out = []
-        if spec.get("method") not in self.allowed_methods:
-            out.append(f"method {spec.get('method')!r} is not in allowed_methods {list(self.allowed_methods)}")
+        allowed = ((*FEDERATION_METHODS, *EXCHANGE_METHODS) if self.allowed_methods is None
+                   else self.allowed_methods)
+        if spec.get("method") not in allowed:
+            out.append(f"method {spec.get('method')!r} is not in allowed_methods {list(allowed)}")
         for key, bound, above in (("rounds", self.max_rounds, True), ("epochs", self.max_epochs, True),
                                   ("lr", self.max_lr, True), ("selector_lr", self.max_selector_lr, True),
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),
                                   ("batch_size", self.min_batch_size, False)):
             value = spec.get(key)
-            if key == "selector_lr" and value is None:  # "the method's default": check the value it resolves to
+            if key == "selector_lr" and value is None:
+                # unset: the selector scheme's default lr (engine.fl.selector_training), which is what trains
                 from engine.fl.selector_training import default_selector_lr
 
-                value = default_selector_lr(str(spec.get("selector_calibration", "none")), None)
+                try:
+                    value = default_selector_lr(str(spec.get("selector_calibration", "none")))
+                except ConfigError:
+                    value = None
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 out.append(f"{key} = {value!r} is not a number")
             elif (value > bound) if above else (value < bound):
@@ -197,8 +207,32 @@ def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
             "signed": bool(settings.get("signed"))}
 
 
+def format_settings(shown: Mapping[str, Any]) -> str:
+    """:func:`describe`'s dict as one readable line."""
+    order = (("method", "{}"), ("task", "task {}"), ("rounds", "{} rounds"), ("epochs", "{} epoch(s) per round"),
+             ("batch_size", "batch {}"), ("lr", "lr {:g}"), ("selector_lr", "selector lr {:g}"),
+             ("image_size", "{} px"), ("seed", "seed {}"), ("lam", "lam {:g}"), ("gamma", "gamma {:g}"))
+    parts = []
+    for key, pattern in order:
+        value = shown.get(key)
+        if value is not None:
+            try:
+                parts.append(pattern.format(value))
+            except (TypeError, ValueError):
+                parts.append(f"{key} {value}")
+    sites = shown.get("site_names")
+    if isinstance(sites, list | tuple):
+        parts.append("sites " + ", ".join(map(str, sites)))
+    origin = "signed by the coordinator" if shown.get("signed") else "NOT signed (insecure mode)"
+    return f"run settings ({origin}, within this site's bounds): " + "; ".join(parts) + \
+        f"; app {str(shown.get('app_hash', '?'))[:19]}…"
+
+
 def bounds_dict(bounds: SiteBounds) -> dict[str, Any]:
     """``bounds`` as JSON-ready data (passed to the SuperNode's launcher)."""
     out = asdict(bounds)
-    out["allowed_methods"] = list(bounds.allowed_methods)
+    if bounds.allowed_methods is None:
+        del out["allowed_methods"]  # the default: every method
+    else:
+        out["allowed_methods"] = list(bounds.allowed_methods)
     return out

@@ -15,6 +15,15 @@ from fedsm_gui.controllers.study import StudyController
 from fedsm_gui.views.bases import MainView
 
 
+def demo_validation_text(per_site: dict[str, dict[str, float]]) -> str:
+    """One status line with the demo model's validation Dice at its weakest site (``""``: unknown)."""
+    if not per_site:
+        return ""
+    worst = {name: min(site.get(name, 0.0) for site in per_site.values()) for name in ("disc", "cup")}
+    return (f"Demo super model, validation Dice at the weakest of {len(per_site)} synthetic sites: "
+            f"disc {worst['disc']:.2f}, cup {worst['cup']:.2f} (research model, not for diagnosis)")
+
+
 class DemoController:
     """Runs ``engine.api.prepare_demo`` in a worker with a progress bar, then shows the demo:
     the demo photo with the super model's mask (and the ground truth to compare), and the
@@ -29,6 +38,7 @@ class DemoController:
         self.segmentation = segmentation
         self.federation = federation
         self.paths: dict[str, Any] | None = None
+        self.validation = ""
         self.job: TaskHandle | None = None
 
     def start(self, cache_dir: Path, on_ready: Callable[[], None] | None = None, **settings: Any) -> None:
@@ -64,8 +74,11 @@ class DemoController:
         self.federation.demo_workdir = Path(paths["site_workdir"])
         if paths.get("trained"):
             self.main.show_status(f"Demo super model trained and cached in {paths['cache_dir']}")
+        self.validation = demo_validation_text(paths.get("validation_dice") or {})
 
         def segmented() -> None:
+            if self.validation:  # after the reference mask's own status line
+                self.studies.mask_opened.append(self._once(lambda: self.main.show_status(self.validation)))
             if on_ready is not None:
                 self.studies.mask_opened.append(self._once(on_ready))
             self.studies.open_mask(paths["reference"])

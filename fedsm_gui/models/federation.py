@@ -117,6 +117,10 @@ def describe_event(event: dict[str, Any]) -> str | None:
         return f"{where}error: {event.get('message', '')}"
     if kind == "finished":
         return f"federation finished after {event.get('rounds', '?')} rounds"
+    if kind == "run_settings":
+        from engine import api
+
+        return api.format_run_settings(dict(event.get("settings", {})))
     return f"{kind}: {json.dumps({k: v for k, v in event.items() if k not in ('event', 'time')})}"
 
 
@@ -138,6 +142,7 @@ class FederationState:
     def reset(self) -> None:
         """Forget everything about the previous run (a new Join)."""
         self.status = IDLE
+        self.run_settings: dict[str, Any] = {}
         self.coordinator = ""
         self.site = ""
         self.method = ""
@@ -259,6 +264,10 @@ class FederationState:
             parts.add(LEDGER)
         elif kind == "error":
             self.error = str(event.get("message", "unknown error"))
+            parts.add(STATUS)
+        elif kind == "run_settings":  # what the coordinator signed and this site accepted: shown in the log
+            self.run_settings = dict(event.get("settings", {}))
+            self.method = str(self.run_settings.get("method", self.method) or self.method)
             parts.add(STATUS)
         elif kind == "finished":
             self.status = FINISHED

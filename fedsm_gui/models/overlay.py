@@ -75,7 +75,24 @@ class OverlayState:
             outline = old.outline if old is not None else key == REFERENCE_LAYER
         self.layers[key] = OverlayLayer(title or (old.title if old else key), labels, slicer, styles, outline,
                                         old.visible if old else True)
+        self._share_names()
         self._changed()
+
+    def _share_names(self) -> None:
+        """Give a label a layer knows only by number (``label 2``) the name another layer uses for it.
+
+        A mask file without names (a NIfTI label map) shown beside the model's mask then reads
+        ``prostate`` or ``cup`` like the model's own legend, since both follow the task's convention.
+        """
+        known: dict[int, str] = {}
+        for layer in self.layers.values():
+            for value, style in layer.styles.items():
+                if style.name != f"label {value}":
+                    known.setdefault(value, style.name)
+        for layer in self.layers.values():
+            for value, style in layer.styles.items():
+                if style.name == f"label {value}" and value in known:
+                    style.name = known[value]
 
     def remove_layer(self, key: str) -> None:
         """Stop showing layer ``key`` (no-op when absent)."""

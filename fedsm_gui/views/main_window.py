@@ -239,9 +239,9 @@ class MainWindow(QMainWindow):
                 "super models (Xu et al., CVPR 2022).</p>"
                 f"<p><b>Super model:</b> {bundle or 'none loaded'}</p><p><b>{RESEARCH_NOTICE}</b> Masks and "
                 "measurements are produced by a research model and must not be used to diagnose or treat.</p>")
-        self._info_dialog("About FedSM", html, "about-dialog")
+        self._info_dialog("About FedSM", html, "about-dialog", wrap=True)
 
-    def _info_dialog(self, title: str, html: str, name: str) -> QDialog:
+    def _info_dialog(self, title: str, html: str, name: str, wrap: bool = False) -> QDialog:
         old = self.findChild(QDialog, name)
         if old is not None:
             old.close()
@@ -253,14 +253,18 @@ class MainWindow(QMainWindow):
         text = QLabel(html)
         text.setObjectName(f"{name}-text")
         text.setTextFormat(Qt.TextFormat.RichText)
-        text.setWordWrap(True)
         text.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        if wrap:
+            # a wrapped label's height depends on its width, which a top-level layout does not ask for
+            text.setWordWrap(True)
+            text.setFixedWidth(540)
+            text.setMinimumHeight(text.heightForWidth(540))
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(dialog.close)
         layout = QVBoxLayout(dialog)
         layout.addWidget(text)
         layout.addWidget(buttons)
-        dialog.resize(560, 10)
+        dialog.adjustSize()
         dialog.show()
         return dialog
 

@@ -114,3 +114,15 @@ def test_cpu_converged_plan_tunes_first():
     first_main = next(i for i, j in enumerate(jobs) if j.analysis == "main")
     assert all(j.analysis in ("perf", "tune") for j in jobs[:first_main])
     assert sum(j.analysis == "main" for j in jobs) == 7 * 2 * 3
+
+
+def test_recipe_section_survives_a_regeneration_for_another_preset(tmp_path):
+    from engine.bench.report import RECIPE_END, RECIPE_START, _read_reading, _read_recipe
+
+    target = tmp_path / "results.md"
+    target.write_text("# Benchmark results: preset `cpu-small`\n\n<!-- reading:start -->\nCPU reading.\n"
+                      f"<!-- reading:end -->\n\n## Convergence recipe\n\n{RECIPE_START}\nMeasured recipe.\n"
+                      f"{RECIPE_END}\n")
+    assert "CPU reading." not in _read_reading(target, "cpu-converged")  # the reading belongs to its preset
+    assert _read_recipe(target) == "Measured recipe."  # the recipe study is kept for every preset
+    assert _read_recipe(tmp_path / "missing.md") is None

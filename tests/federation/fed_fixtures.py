@@ -42,6 +42,8 @@ def simulated_supermodel(fed_data, tmp_path_factory) -> Path:
 
     data_dir, _ = fed_data
     out = tmp_path_factory.mktemp("simulated")
+    # keep_best off: a network run keeps its last round (the coordinator holds no validation data)
     api.simulate(out, task="fundus", sites=3, rounds=TRAINING["rounds"], methods=("fedsm",),
-                 image_size=TRAINING["image_size"], seed=TRAINING["seed"], device="cpu", data_dir=str(data_dir))
+                 image_size=TRAINING["image_size"], seed=TRAINING["seed"], device="cpu", data_dir=str(data_dir),
+                 keep_best=False)
     return out / "supermodel.safetensors"

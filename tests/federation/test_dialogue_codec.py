@@ -65,3 +65,41 @@ def test_blackfed_options_travel_in_the_spec():
     assert method.config.client_epochs == 3 and method.config.image_size == 32 and method.variant == "v2"
     with pytest.raises(ConfigError, match="unknown training setting"):
         MethodSpec.from_dict({"method": "fedavg", "task": "fundus", "site_names": ["a"], "blackfed_x": 1})
+
+
+def test_the_upload_limit_fits_blackfeds_largest_reply():
+    from testsupport import random_split
+
+    from engine.federation.flower.dialogue import dialogue_reply_limit
+    from engine.federation.flower.upload_limits import MIN_REPLY_LIMIT
+    from engine.fl.blackfed import BlackFed, BlackFedConfig
+    from engine.fl.exchange import Reply, Request
+    from engine.fl.methods import SiteRuntime
+    from engine.tasks import FUNDUS
+
+    method = BlackFed(FUNDUS, ["a"], config=BlackFedConfig(batch_size=4, perturbations=2, image_size=32))
+    site = SiteRuntime("a", 0, random_split(6, size=32))
+    reply = method.answer(Request("client_probe", {}, {"round": 1, "step": 0}), site)
+    assert isinstance(reply, Reply)
+    assert method.max_reply_bytes() == sum(t.numel() * t.element_size() for t in reply.tensors.values())
+    assert dialogue_reply_limit(method) == MIN_REPLY_LIMIT  # small images: the floor
+    big = BlackFed(FUNDUS, ["a"], config=BlackFedConfig(image_size=256))
+    assert dialogue_reply_limit(big) == 2 * big.max_reply_bytes() + 16 * 2**20
+
+
+def test_consent_also_allows_the_split_learning_methods_unless_the_site_listed_its_own(tmp_path):
+    from types import SimpleNamespace
+
+    from engine.federation.flower.site import site_bounds
+
+    plain = site_bounds(SimpleNamespace(bounds={}, share_activations=False))
+    assert "blackfed-v1" not in plain.allowed_methods and "fedsm" in plain.allowed_methods
+    agreed = site_bounds(SimpleNamespace(bounds={}, share_activations=True))
+    assert {"blackfed-v1", "blackfed-v2", "fedsm"} <= set(agreed.allowed_methods)
+    own = site_bounds(SimpleNamespace(bounds={"allowed_methods": ["fedavg"]}, share_activations=True))
+    assert own.allowed_methods == ("fedavg",)  # the operator's own list wins
+    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
+                              "selector_lr": 1e-5, "image_size": 32, "batch_size": 4}) == []
+    # a spec leaving selector_lr to the scheme's default (None) is checked with that default
+    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
+                              "selector_lr": None, "image_size": 32, "batch_size": 4}) == []

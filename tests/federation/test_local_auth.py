@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from pathlib import Path
 
 import httpx
 import pytest
+from fed_fixtures import pki  # noqa: F401
 
 from engine.federation.flower import local_auth
+from engine.federation.flower.fleet_auth import write_keys
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
 
 
@@ -78,7 +81,7 @@ def _refused(call) -> None:
 
 
 @pytest.mark.slow
-def test_a_local_process_without_the_secret_gets_nothing(tmp_path):
+def test_a_local_process_without_the_secret_gets_nothing(tmp_path, pki):  # noqa: F811
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from flwr.common.serde import fab_to_proto
@@ -96,13 +99,19 @@ def test_a_local_process_without_the_secret_gets_nothing(tmp_path):
 
     link_port, fleet_port, node_port = free_port(), free_port(), free_port()
     link_secret, node_secret = local_auth.new_secret(), local_auth.new_secret()
+    site_key = (pki / "site1.pub.pem").read_bytes()
+    tls = ["--ssl-ca-certfile", str(pki / "ca.pem"), "--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile",
+           str(pki / "server.key"), "--enable-supernode-auth"]
     superlink = ChildProcess(
         "SuperLink", launcher_argv("superlink", ["--host", "127.0.0.1", "--port", str(link_port), "--isolation",
-                                                 "process", "--insecure"], fleet_address=f"127.0.0.1:{fleet_port}"),
+                                                 "process", *tls], fleet_address=f"127.0.0.1:{fleet_port}",
+                                   fleet_keys=str(write_keys(tmp_path / "fleet-keys.pem", [site_key]))),
         tmp_path / "superlink.log", env={"FLWR_HOME": str(tmp_path / "link-home"), local_auth.ENV: link_secret})
     supernode = ChildProcess(
         "SuperNode", launcher_argv("supernode", ["--superlink", f"127.0.0.1:{fleet_port}", "--isolation", "process",
-                                                 "--host", "127.0.0.1", "--port", str(node_port), "--insecure"],
+                                                 "--host", "127.0.0.1", "--port", str(node_port),
+                                                 "--root-certificates", str(pki / "ca.pem"),
+                                                 "--auth-supernode-private-key", str(pki / "site1.key")],
                                    poll_interval=0.2, approved_apps=[], site="site1"),
         tmp_path / "supernode.log", env={"FLWR_HOME": str(tmp_path / "node-home"), local_auth.ENV: node_secret})
     link, node = f"127.0.0.1:{link_port}", f"127.0.0.1:{node_port}"
@@ -113,6 +122,9 @@ def test_a_local_process_without_the_secret_gets_nothing(tmp_path):
     try:
         superlink.start()
         superlink.wait_for_port("127.0.0.1", link_port, timeout=120)
+        owner = _control(link, link_secret)
+        clients.append(owner)
+        assert owner.RegisterNode(RegisterNodeRequest(public_key=site_key, name="site1")).node_id  # enrolment
         supernode.start()
         supernode.wait_for_port("127.0.0.1", node_port, timeout=120)
 
@@ -137,16 +149,60 @@ def test_a_local_process_without_the_secret_gets_nothing(tmp_path):
             assert httpx.get(f"http://{node}{path}").status_code == 401, path
 
         # Assert: nothing changed, and the owner (with the secret) is served
-        owner = _control(link, link_secret)
         owner_node = _runtime(node, "flwr-clientapp", node_secret)
-        clients += [owner, owner_node]
+        clients.append(owner_node)
         registered = [n.public_key for n in owner.ListNodes(ListNodesRequest()).nodes_info]
-        assert all(b"".join(str(k).encode().split()) != b"".join(key.split()) for k in registered)  # no rogue key
+        assert len(registered) == 1  # site1's key alone: the rogue key was not registered
+        assert all(b"".join(str(k).encode().split()) != b"".join(key.split()) for k in registered)
         assert len(owner.ListRuns(ListRunsRequest()).run_dict) == 0  # no run was started
-        assert owner.RegisterNode(RegisterNodeRequest(public_key=key, name="site1")).node_id
         assert not owner_node.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])).token
+
+        # Anonymous uploads on the sites' address cannot grow the SuperLink's memory
+        check_anonymous_uploads_are_bounded(superlink.pid, fleet_port, pki / "ca.pem")
     finally:
         for client in clients:
             client.close()
         supernode.stop()
         superlink.stop()
+
+
+def _rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def check_anonymous_uploads_are_bounded(pid: int, fleet_port: int, ca: Path) -> None:
+    """16 connections at once upload 60 MB each, then 48 upload 7.9 MB each, without any credential (TLS)."""
+    import concurrent.futures
+    import os
+    import ssl
+
+    if not os.path.exists(f"/proc/{pid}/status"):
+        pytest.skip("needs /proc to read the SuperLink's memory")
+    before = _rss_mib(pid)
+    url = f"https://127.0.0.1:{fleet_port}/v1/fleet/push-object"
+    context = ssl.create_default_context(cafile=str(ca))
+
+    payloads = {60 * 10**6: b"\0" * (60 * 10**6), 7_900_000: b"\0" * 7_900_000}  # shared by the threads
+
+    def upload(size: int) -> int:
+        try:
+            return httpx.post(url, content=payloads[size], timeout=60, verify=context,
+                              headers={"content-type": "application/protobuf"}).status_code
+        except httpx.TransportError:  # refused before the body was sent: the server closed the connection
+            return 413
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        large = list(pool.map(upload, [60 * 10**6] * 16))
+        peak_large = _rss_mib(pid)
+        small = list(pool.map(upload, [7_900_000] * 16))
+        after = _rss_mib(pid)
+        small += list(pool.map(upload, [7_900_000] * 32))  # more of the same does not take more
+    again = _rss_mib(pid)
+    print(f"SuperLink RSS MiB: before {before:.0f}, after 16x60MB {peak_large:.0f}, after 16x7.9MB {after:.0f}, "
+          f"after 32 more {again:.0f}; codes {sorted(set(small))}")
+    assert large == [413] * 16  # above the 8 MiB per-request limit: refused from the declared length
+    assert small == [401] * 48  # not signed by an enrolled site: refused from the headers
+    assert max(peak_large, after, again) - before < 50, (before, peak_large, after, again)  # issue 16: +950 MB

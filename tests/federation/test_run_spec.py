@@ -120,3 +120,28 @@ def test_supernode_refuses_a_run_beyond_its_bounds_before_pulling_its_payload(pk
     # within bounds and correctly signed: Flower goes on to pull the payload
     calls, said = _guarded(_signed(pki), {"ca_cert": str(pki / "ca.pem"), "bounds": {}})
     assert calls == ["get_run", "get_fab", "pull_object"] and said == []
+
+
+def test_the_operator_sees_the_signed_settings(pki):  # noqa: F811
+    from engine import api
+    from fedsm_gui.models.federation import FederationState
+
+    settings = describe(verify_envelope(_signed(pki), ca_cert=pki / "ca.pem", app_hash=APP, bounds=SiteBounds()))
+    line = api.format_run_settings(settings)
+    assert line.startswith("run settings (signed by the coordinator, within this site's bounds): fedsm")
+    assert "3 rounds" in line and "lr 0.001" in line and "64 px" in line and "sites site1, site2" in line
+    state = FederationState()
+    state.apply_event({"event": "run_settings", "time": 0.0, "source": "site", "site": "site1", "settings": settings})
+    assert state.run_settings["method"] == "fedsm" and state.method == "fedsm"
+    assert any("run settings (signed by the coordinator" in entry for entry in state.log)
+
+
+def test_every_method_is_allowed_by_default():
+    from engine.federation.spec import FEDERATION_METHODS
+    from engine.fl.registry import EXCHANGE_METHODS
+
+    for method in (*FEDERATION_METHODS, *EXCHANGE_METHODS):
+        spec = {"method": method, "rounds": 3, "epochs": 1, "lr": 1e-3, "selector_lr": None, "image_size": 256,
+                "batch_size": 8}
+        assert SiteBounds().violations(spec) == [], method
+    assert SiteBounds.from_dict({"allowed_methods": ["fedsm"]}).violations(dict(spec, method="fedavg"))

@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from fed_fixtures import pki  # noqa: F401
 from test_fleet_listener import EchoApp
 
 from engine.federation.flower.fleet_listener import FleetOnly
@@ -97,7 +98,43 @@ def test_the_coordinators_reply_limit_follows_the_method():
 
     spec = MethodSpec(method="fedsm", task="fundus", site_names=("s1", "s2"), rounds=1, image_size=32)
     method = build_method(spec, "cpu")
-    limit = reply_limit_for(method, method.initial_state(), spec.site_names)
-    # global + personal U-Net (~6.5 MB each) and the VGG-11 selector (~37.5 MB): ~50 MB doubled, plus 16 MiB
-    assert 100 * 2**20 < limit < 150 * 2**20 and limit >= MIN_REPLY_LIMIT
+    from engine.fl.weights import payload_bytes
+
+    state = method.initial_state()
+    limit = reply_limit_for(method, state, spec.site_names)
+    # every part a FedSM site sends (U-Nets, VGG-11 selector and, with the reference-trained
+    # selector, its optimizer state), doubled, plus 16 MiB
+    largest = sum(payload_bytes(w) for w in method.expected_update_shapes(state, "s1").values())
+    assert largest > 40 * 10**6 and limit == max(2 * largest + 16 * 2**20, MIN_REPLY_LIMIT)
     assert limit < 600 * 10**6  # the 600 MB upload of issue 16 is refused
+    # a dialogue method's replies are activations, not models: no per-reply limit is derived
+    blackfed = build_method(MethodSpec(method="blackfed-v1", task="fundus", site_names=("s1", "s2"), rounds=1,
+                                       image_size=32), "cpu")
+    assert reply_limit_for(blackfed, blackfed.initial_state(), ("s1", "s2")) is None
+
+
+def test_header_auth_accepts_only_enrolled_signed_requests(pki):  # noqa: F811
+    import base64
+    import datetime as dt
+
+    from flwr.supercore.primitives.asymmetric import sign_message
+
+    from engine.federation.flower.fleet_auth import HeaderAuth, write_keys
+    from engine.security.certs import load_site_private_key
+
+    auth = HeaderAuth.from_file(write_keys(pki / "fleet-keys-test.pem", [(pki / "site1.pub.pem").read_bytes()]))
+
+    def scope(site, when=None, tamper=False):
+        key = load_site_private_key(pki / f"{site}.key")
+        stamp = (when or dt.datetime.now(dt.UTC)).isoformat()
+        signature = sign_message(key, stamp.encode())
+        if tamper:
+            stamp = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)).isoformat()
+        return {"headers": [(b"flwr-public-key", base64.b64encode((pki / f"{site}.pub.pem").read_bytes())),
+                            (b"flwr-signature", base64.b64encode(signature)), (b"flwr-timestamp", stamp.encode())]}
+
+    assert auth.allowed(scope("site1"))
+    assert not auth.allowed(scope("site2"))  # a valid signature by a key that is not enrolled
+    assert not auth.allowed(scope("site1", tamper=True))  # the signature does not cover this timestamp
+    assert not auth.allowed(scope("site1", when=dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)))  # replayed
+    assert not auth.allowed({"headers": []})

@@ -30,6 +30,12 @@ def run(variant="v1", rounds=1, sites=None, recorder=None, config=CFG):
     return method, sites, state, records
 
 
+@pytest.fixture(scope="module")
+def trained():
+    """One round of v1 and of v2 on the same two sites (shared by the tests that only read them)."""
+    return {"v1": run("v1"), "v2": run("v2")}
+
+
 def test_spsa_estimate_on_a_quadratic_is_the_true_gradient_in_expectation():
     # L(x) = 1/2 x'Ax + b'x: the central difference is exact for a quadratic, so each estimate
     # is d d' grad L and E[d d'] = I makes it unbiased. Component i of one estimate has variance
@@ -41,12 +47,12 @@ def test_spsa_estimate_on_a_quadratic_is_the_true_gradient_in_expectation():
     a, b = q @ q.T + torch.eye(n, dtype=torch.float64), torch.randn(n, generator=gen, dtype=torch.float64)
     x = torch.randn(n, generator=gen, dtype=torch.float64)
 
-    def loss(v):
-        return float(0.5 * v @ a @ v + b @ v)
+    def loss(v):  # rows of v are points
+        return 0.5 * ((v @ a) * v).sum(1) + v @ b
 
     true = a @ x + b
     deltas = torch.stack([rademacher(n, gen) for _ in range(draws)]).to(torch.float64)
-    losses = torch.tensor([[loss(x + c * d), loss(x - c * d)] for d in deltas]).reshape(-1)
+    losses = torch.stack([loss(x + c * deltas), loss(x - c * deltas)], 1).reshape(-1)
     estimate = spsa_gradient(losses, deltas, c).to(torch.float64)
     stderr = torch.sqrt((true.pow(2).sum() - true.pow(2)) / draws)
     assert torch.all((estimate - true).abs() <= 5 * stderr), (estimate, true, stderr)
@@ -69,9 +75,9 @@ def test_spsa_gc_descends_a_quadratic():
     assert loss(opt.theta) < 0.05 * start
 
 
-def test_v2_table_holds_each_sites_own_server_weights_and_v1_trains_the_same():
-    m1, _, s1, _ = run("v1")
-    m2, sites, s2, _ = run("v2")
+def test_v2_table_holds_each_sites_own_server_weights_and_v1_trains_the_same(trained):
+    m1, _, s1, _ = trained["v1"]
+    m2, sites, s2, _ = trained["v2"]
     assert sorted(s1) == ["server"]
     assert sorted(s2) == ["server", "server/site1", "server/site2"]
     # training is identical: v1's shared g is v2's last g, which is also the last site's entry
@@ -144,8 +150,8 @@ def test_losses_sent_back_are_the_coordinators_losses_of_the_uploaded_activation
     assert any(not torch.equal(p, after[k]) for k, p in before.state_dict().items())
 
 
-def test_runs_are_deterministic():
-    _, sites_a, a, _ = run("v1")
+def test_runs_are_deterministic(trained):
+    _, sites_a, a, _ = trained["v1"]
     _, sites_b, b, _ = run("v1")
     assert all(torch.equal(a["server"][k], b["server"][k]) for k in a["server"])
     assert all(torch.equal(sites_a[0].state[CLIENT_KEY][k], sites_b[0].state[CLIENT_KEY][k])
@@ -171,17 +177,17 @@ def test_bad_replies_and_settings_are_refused():
         method.answer(Request("server_batch", {"losses": torch.zeros(4)}, {"round": 1, "step": 0}), runtimes(1)[0])
 
 
-def test_exchange_count_follows_the_sites_data():
-    _, sites, _, records = run("v1")
+def test_exchange_count_follows_the_sites_data(trained):
+    _, sites, _, records = trained["v1"]
     for s in sites:
         batches = math.ceil(len(s.train.images) / CFG.batch_size)
         assert records[0].metrics[s.name]["exchanges"] == batches * (CFG.client_epochs + CFG.server_epochs)
 
 
-def test_split_bundle_round_trips(tmp_path):
+def test_split_bundle_round_trips(trained, tmp_path):
     from engine.bundle.split import is_split_bundle, load_split_bundle, save_split_bundle
 
-    method, sites, state, _ = run("v2")
+    method, sites, state, _ = trained["v2"]
     bundle = method.report_extra(state, sites)["bundle"]
     path = tmp_path / "bf.safetensors"
     save_split_bundle(path, bundle)

@@ -214,3 +214,41 @@ def test_a_disconnect_after_the_last_round_is_a_finished_run(reconnecting):
     state.apply_event({"event": "round_end", "round": 1, "rounds": 3})
     state.apply_event({"event": "disconnected", "reason": "connection closed", "reconnecting": True})
     assert state.status == "reconnecting"
+
+
+def test_demo_records_its_validation_dice_per_structure(tiny_demo):
+    import json
+    from pathlib import Path
+
+    from engine.demo import MANIFEST, TARGET_DICE
+
+    manifest = json.loads((Path(tiny_demo["cache_dir"]) / MANIFEST).read_text())
+    per_site = manifest["validation_dice"]
+    assert set(per_site) == {"site1", "site2", "site3"} and tiny_demo["validation_dice"] == per_site
+    assert all(set(d) == {"disc", "cup"} and all(0.0 <= v <= 1.0 for v in d.values()) for d in per_site.values())
+    worst = manifest["validation_dice_worst_site"]
+    assert worst == {k: min(d[k] for d in per_site.values()) for k in ("disc", "cup")}
+    assert manifest["meets_target"] == all(worst[k] >= TARGET_DICE[k] for k in TARGET_DICE)
+    assert manifest["torch_threads"] >= 1
+
+
+def test_demo_status_names_the_weakest_sites_validation_dice():
+    from fedsm_gui.controllers.demo import demo_validation_text
+
+    text = demo_validation_text({"site1": {"disc": 0.91, "cup": 0.72}, "site2": {"disc": 0.88, "cup": 0.64}})
+    assert "weakest of 2" in text and "disc 0.88" in text and "cup 0.64" in text and "not for diagnosis" in text
+    assert demo_validation_text({}) == ""
+
+
+def test_a_mask_without_names_takes_the_models_label_names():
+    from engine.io.study import LabelMap
+    from fedsm_gui.models.overlay import REFERENCE_LAYER, OverlayState
+
+    overlays = OverlayState()
+    array = np.zeros((4, 4, 2), np.uint8)
+    array[1, 1, 1] = 1
+    array[2, 2, 0] = 3
+    overlays.set_layer(REFERENCE_LAYER, LabelMap(array, {1: "label 1", 3: "label 3"}))
+    overlays.set_layer(MODEL_LAYER, LabelMap(array, {1: "prostate"}))
+    names = {v: s.name for v, s in overlays.layers[REFERENCE_LAYER].styles.items()}
+    assert names == {1: "prostate", 3: "label 3"}  # a value the model does not know keeps its number

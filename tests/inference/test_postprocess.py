@@ -80,3 +80,26 @@ def test_cup_to_disc_uses_cleaned_masks_and_says_when_not_to_trust_it():
     assert vertical_cup_to_disc(_label_map(disc, cup), {1: "disc", 2: "cup"}).value == pytest.approx(clean.value)
     assert vertical_cup_to_disc(_label_map(disc, cup), {1: "prostate"}) is None
     assert vertical_cup_to_disc(np.zeros((5, 5), np.uint8), NAMES) is None
+
+
+def test_segment_with_cleans_fundus_masks_before_anyone_sees_them():
+    from types import SimpleNamespace
+
+    from engine.inference.predictor import Prediction
+    from engine.inference.study import LoadedBundle, segment_with
+    from engine.io.study import Study
+
+    disc, cup = _disc_and_cup()
+    noisy = np.stack([disc, cup]).astype(np.uint8)
+    noisy[0, 2:4, 60:62] = 1  # a disc speck
+    noisy[1, 60:62, 2:4] = 1  # a cup speck outside the disc
+    prediction = Prediction(noisy[None], np.zeros(1, np.int64), np.array([[0.5, 0.5]], np.float32),
+                            np.array([0.5], np.float32))
+    metadata = SimpleNamespace(task="fundus", model_names=["global", "a", "b"], routing="gamma", gamma=0.6,
+                               site_names=["a", "b"], method="fedsm")
+    predictor = SimpleNamespace(metadata=metadata, device="cpu", predict=lambda *a, **k: prediction)
+    study = Study(np.zeros((64, 64, 3), np.uint8), "photo", np.eye(4), (1.0, 1.0))
+    result = segment_with(LoadedBundle(predictor, "0" * 64, "fake.safetensors"), study)  # type: ignore[arg-type]
+    labels = result.labels.array
+    assert labels[2:4, 60:62].max() == 0 and labels[60:62, 2:4].max() == 0
+    assert ((labels == 2) == cup).all() and ((labels >= 1) == disc).all()

@@ -7,10 +7,12 @@ pure function ``(bytes, numpy Generator) -> bytes`` so a failing example reprodu
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -79,11 +81,16 @@ def png_dims(data: bytes, rng: np.random.Generator) -> bytes:
     return _png_join(chunks)
 
 
-def png_bomb(width: int = 12_000, height: int = 12_000) -> bytes:
-    """A small PNG (all-zero grey rows, deflated) that declares ``width x height`` pixels."""
+@functools.lru_cache(maxsize=4)
+def png_bomb(width: int = 12_000, height: int = 12_000, rows: int | None = None) -> bytes:
+    """A small PNG (all-zero grey rows, deflated) that declares ``width x height`` pixels.
+
+    ``rows`` limits the rows actually stored (the header still declares ``height``): enough for
+    tests of checks made before decoding.
+    """
     raw = zlib.compressobj(9)
     row = b"\x00" * (width + 1)
-    body = b"".join(raw.compress(row) for _ in range(height)) + raw.flush()
+    body = b"".join(raw.compress(row) for _ in range(height if rows is None else rows)) + raw.flush()
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
     return _png_join([(b"IHDR", ihdr), (b"IDAT", body), (b"IEND", b"")])
 
@@ -113,6 +120,8 @@ def jpeg_dims(data: bytes, rng: np.random.Generator) -> bytes:
 
 def nifti_header_edit(data: bytes, rng: np.random.Generator) -> bytes:
     """An uncompressed NIfTI-1's header edited: giant or negative dims, NaN srow, odd datatype, offset."""
+    if len(data) < 352:  # already truncated into the header (a second mutation): nothing to edit
+        return flip_bytes(data, rng) if data else data
     out = bytearray(data)
     choice = int(rng.integers(0, 6))
     if choice == 0:  # dims
@@ -144,6 +153,29 @@ def gzip_wrap(mutate: Mutation) -> Mutation:
 
     wrapped.__name__ = f"gzip_{mutate.__name__}"
     return wrapped
+
+
+# --- NRRD -----------------------------------------------------------------------------------------
+
+
+def nrrd_header_edit(data: bytes, rng: np.random.Generator) -> bytes:
+    """A NRRD text header's sizes, type, dimension, directions or encoding replaced by hostile values."""
+    end = data.find(b"\n\n")
+    if end < 0:
+        return flip_bytes(data, rng)
+    lines = data[:end].split(b"\n")
+    edits = {
+        b"sizes:": [b"sizes: 100000 100000 100000", b"sizes: 0 512 3", b"sizes: -5 5 5", b"sizes: 512 512"],
+        b"type:": [b"type: complex", b"type: block", b"type: double"],
+        b"dimension:": [b"dimension: 9", b"dimension: 0", b"dimension: 2"],
+        b"space directions:": [b"space directions: (nan,0,0) (0,1,0) (0,0,1)",
+                               b"space directions: (0,0,0) (0,0,0) (0,0,0)"],
+        b"encoding:": [b"encoding: raw", b"encoding: bzip2", b"encoding: ascii"],
+    }
+    key = list(edits)[int(rng.integers(0, len(edits)))]
+    options = edits[key]
+    lines = [options[int(rng.integers(0, len(options)))] if line.startswith(key) else line for line in lines]
+    return b"\n".join(lines) + data[end:]
 
 
 # --- DICOM -----------------------------------------------------------------------------------------
@@ -289,3 +321,22 @@ def bundle_metadata_edit(data: bytes, rng: np.random.Generator) -> bytes:
         header["__metadata__"] = [1, 2] if rng.random() < 0.5 else {"fedsm": ["x"]}
     text = json.dumps(header)
     return struct.pack("<Q", len(text)) + text.encode() + data[8 + length:]
+
+
+def write_small_bundle(path: Path, task_name: str) -> Path:
+    """A valid super model of untrained nets at 32 px (what infer needs to run end to end)."""
+    import torch
+
+    from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+    from engine.models import build_segmentation_net, build_selector
+    from engine.tasks import get_task
+
+    torch.manual_seed(0)
+    task = get_task(task_name)
+    sites = ["alpha", "beta"]
+    meta = BundleMetadata(task=task.name, label_names=list(task.label_names), in_channels=task.in_channels,
+                          image_size=32, selector_size=32, site_names=sites)
+    nets = {s: build_segmentation_net(task.in_channels, task.out_channels).state_dict() for s in sites}
+    save_bundle(path, SuperModelBundle(meta, build_segmentation_net(task.in_channels, task.out_channels).state_dict(),
+                                       nets, build_selector(task.in_channels, meta.selector_classes).state_dict()))
+    return path

@@ -176,7 +176,7 @@ def test_unknown_suffix(tmp_path: Path) -> None:
 
 def test_provenance_of_a_plain_file(tmp_path: Path) -> None:
     (tmp_path / "x.png").write_bytes(b"no png")
-    with pytest.raises(DataError, match=r"x\.png: not a readable PNG"):
+    with pytest.raises(DataError, match=r"x\.png: not an image file Pillow can read"):
         read_provenance(tmp_path / "x.png")
     with pytest.raises(DataError, match="not found"):
         read_provenance(tmp_path / "missing.nii.gz")

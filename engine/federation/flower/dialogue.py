@@ -143,6 +143,16 @@ def decode_reply(content: RecordDict, site: str, rnd: int, exchange_id: int) -> 
     return Reply(_tensors(content, REPLY_PART, what), metrics, int(num))
 
 
+def dialogue_reply_limit(method: ExchangeMethod) -> int:
+    """The coordinator's upload limit for a dialogue method: its largest reply doubled plus 16 MiB (>= 128 MiB)."""
+    from engine.federation.flower.upload_limits import MIN_REPLY_LIMIT
+
+    largest = method.max_reply_bytes()
+    if largest is None:
+        return MIN_REPLY_LIMIT
+    return max(int(2 * largest + 16 * 2**20), MIN_REPLY_LIMIT)
+
+
 # --- coordinator -----------------------------------------------------------------------------
 class DialogueRunner(FederationRunner):
     """:class:`FederationRunner` for an :class:`ExchangeMethod`: a round is the method's dialogue.
@@ -302,5 +312,13 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     return out
 
 
-__all__ = ["EXCHANGE", "DialogueRunner", "answer_exchange", "decode_reply", "decode_request", "encode_reply",
-           "encode_request"]
+__all__ = [
+    "EXCHANGE",
+    "DialogueRunner",
+    "answer_exchange",
+    "decode_reply",
+    "decode_request",
+    "dialogue_reply_limit",
+    "encode_reply",
+    "encode_request",
+]

@@ -43,6 +43,9 @@ from engine.federation.flower.upload_limits import MAX_INFLIGHT, InflightBudget,
 FLEET_PREFIX = "/v1/fleet/"
 #: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41, plus framing (upload_limits).
 MAX_BODY = UPLOAD_MAX_BODY
+#: Bodies above this size are read only after the request's headers authenticate an enrolled site
+#: (fleet_auth); smaller ones (every request but weight uploads) go to Flower, which checks the same.
+AUTH_ABOVE = 64 * 1024
 
 
 class FleetOnly:
@@ -64,12 +67,17 @@ class FleetOnly:
         Bytes of bodies received at once (503 beyond; :class:`.upload_limits.InflightBudget`).
     max_reply_bytes
         Largest reply a site may upload (413 beyond; :class:`.upload_limits.ReplyBytes`).
+    auth
+        :class:`.fleet_auth.HeaderAuth`: a request with a body above :data:`AUTH_ABOVE` not
+        signed by an enrolled site is answered 401 before its body is read (``None``: insecure
+        mode, no check).
     """
 
     def __init__(self, app: App, max_body: int = MAX_BODY,
                  record_dir: Path | None = None, max_inflight: int = MAX_INFLIGHT,
-                 max_reply_bytes: int | None = None) -> None:
+                 max_reply_bytes: int | None = None, auth: Any = None) -> None:
         self.app, self.max_body, self.record_dir = app, max_body, record_dir
+        self.auth = auth  # HeaderAuth: enrolled sites only, decided from the headers (.fleet_auth)
         self.inflight = InflightBudget(max(max_inflight, max_body))
         self.replies = ReplyBytes(max_reply_bytes)
         self._recorded = 0
@@ -91,6 +99,10 @@ class FleetOnly:
             return
         if length > self.max_body:
             await _answer(send, 413, b"request body too large\n")
+            return
+        # a body worth holding only from an enrolled site (small ones are left to Flower's own check)
+        if self.auth is not None and length > AUTH_ABOVE and not self.auth.allowed(scope):
+            await _answer(send, 401, b"Invalid SuperNode authentication\n")
             return
         if not self.inflight.take(length):  # too many bytes on their way in at once: come back later
             await _answer(send, 503, b"busy, retry later\n")
@@ -159,7 +171,7 @@ async def _run(server: Any) -> None:
 
 def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_certfile: str | None,
           ssl_keyfile: str | None, log_config: Any = None, record_dir: Path | None = None,
-          local_secret: str | None = None, max_reply_bytes: int | None = None) -> None:
+          local_secret: str | None = None, max_reply_bytes: int | None = None, auth: Any = None) -> None:
     """Serve ``app`` whole on ``local`` and fleet-only on ``public`` until SIGINT or SIGTERM.
 
     The application's lifespan (which starts and stops the SuperLink's state) runs once,
@@ -181,7 +193,7 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
     # Flower's middleware then sees each body as one message (FleetOnly reads bodies whole too)
     inner = _Quiet(uvicorn.Config(guard(WholeBody(app), local_secret), host=local[0], port=local[1],
                                   log_config=log_config, access_log=False))
-    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir, max_reply_bytes=max_reply_bytes),
+    outer = _Quiet(uvicorn.Config(FleetOnly(app, record_dir=record_dir, max_reply_bytes=max_reply_bytes, auth=auth),
                                   host=public[0], port=public[1], lifespan="off", log_config=log_config,
                                   access_log=False, **tls))
 

@@ -167,20 +167,21 @@ def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> st
         return None
     from pathlib import Path
 
+    from engine.errors import FedSMError
     from engine.security.approval import app_hash
-    from engine.security.run_spec import RUN_CONFIG_KEY, RunSpecRefused, SiteBounds, verify_envelope
+    from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
 
     try:
         verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
                         ca_cert=Path(policy["ca_cert"]) if policy.get("ca_cert") else None,
                         app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")))
-    except RunSpecRefused as exc:
+    except FedSMError as exc:  # RunSpecRefused, or unusable bounds: refused either way, never a crash
         return str(exc)
     return None
 
 
 def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None,
-                            max_reply_bytes: int | None = None) -> None:
+                            max_reply_bytes: int | None = None, fleet_keys: str | None = None) -> None:
     """Make the SuperLink serve its API on its own port and the Fleet API alone on ``fleet_address``.
 
     Replaces ``_run_superlink_http_api`` of Flower's SuperLink command (which runs the one
@@ -191,6 +192,7 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
     from flwr.supercore.http_logging import get_uvicorn_log_config
     from flwr.superlink.main import create_app
 
+    from engine.federation.flower.fleet_auth import HeaderAuth
     from engine.federation.flower.fleet_listener import serve
     from engine.federation.flower.local_auth import secret_from_environment
 
@@ -206,7 +208,8 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
               ssl_certfile=lifespan_config.ssl_certfile, ssl_keyfile=lifespan_config.ssl_keyfile,
               log_config=get_uvicorn_log_config(module.console_handler.level),
               record_dir=None if record_dir is None else Path(record_dir), local_secret=secret_from_environment(),
-              max_reply_bytes=max_reply_bytes)
+              max_reply_bytes=max_reply_bytes,
+              auth=None if fleet_keys is None else HeaderAuth.from_file(Path(fleet_keys)))
 
     module._run_superlink_http_api = run_http_api
 
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fleet-address", default=None,
                         help="SuperLink: HOST:PORT on which to serve the Fleet API alone (sites' address)")
     parser.add_argument("--record-dir", default=None, help="SuperLink: write every fleet request body there")
+    parser.add_argument("--fleet-keys", default=None,
+                        help="SuperLink: PEM file of the enrolled sites' keys; others get 401 before any body")
     parser.add_argument("--max-reply-bytes", type=int, default=None,
                         help="SuperLink: largest reply a site may upload (engine.federation.flower.upload_limits)")
     parser.add_argument("--run-policy", default=None,
@@ -237,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
         # the command's module (the package re-exports its entry function under the same name)
         command = importlib.import_module("flwr.superlink.cli.flower_superlink")
         if args.fleet_address is not None:
-            _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes)
+            _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes,
+                                    args.fleet_keys)
         tuning.fleet_push_reads_content_once()
         entry = command.flower_superlink
         sys.argv = ["flower-superlink", *flower_args]

@@ -65,7 +65,8 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
 def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None,
                   approved_apps: list[str] | tuple[str, ...] | None = None, site: str | None = None,
                   fleet_address: str | None = None, record_dir: str | None = None,
-                  run_policy: str | None = None, max_reply_bytes: int | None = None) -> list[str]:
+                  run_policy: str | None = None, max_reply_bytes: int | None = None,
+                  fleet_keys: str | None = None) -> list[str]:
     """Command line that runs a Flower component under the FedSM launcher.
 
     ``approved_apps`` (SuperNode): the app hashes it may serve; anything else is refused
@@ -88,6 +89,8 @@ def launcher_argv(component: str, flower_args: list[str], poll_interval: float |
         argv += ["--run-policy", run_policy]
     if max_reply_bytes is not None:  # SuperLink: largest reply a site may upload
         argv += ["--max-reply-bytes", str(int(max_reply_bytes))]
+    if fleet_keys is not None:  # SuperLink: enrolled keys, checked from the headers before a body is read
+        argv += ["--fleet-keys", fleet_keys]
     return [*argv, "--", *flower_args]
 
 

@@ -245,16 +245,24 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
     secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
+    from engine.federation.flower.fleet_auth import write_keys
     from engine.federation.flower.upload_limits import reply_limit_for
     from engine.fl.robust import RobustSettings
 
+    fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
     max_reply_mb = RobustSettings.from_dict(cfg.robust).max_reply_mb
-    max_reply = (int(max_reply_mb * 2**20) if max_reply_mb
-                 else reply_limit_for(method, method.initial_state(), cfg.sites))
+    if max_reply_mb:
+        max_reply = int(max_reply_mb * 2**20)
+    elif isinstance(method, ExchangeMethod):
+        from engine.federation.flower.dialogue import dialogue_reply_limit
+
+        max_reply = dialogue_reply_limit(method)
+    else:
+        max_reply = reply_limit_for(method, method.initial_state(), cfg.sites)
     superlink = ChildProcess(
         "SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure), fleet_address=cfg.address,
                                    record_dir=None if record_fleet is None else str(record_fleet),
-                                   max_reply_bytes=max_reply),
+                                   max_reply_bytes=max_reply, fleet_keys=None if insecure else str(fleet_keys)),
         cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home"), SECRET_ENV: secret})
     heartbeat = runtime = control = grid = None
     status, details = "failed", "the coordinator stopped before the run ended"

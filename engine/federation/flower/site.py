@@ -39,22 +39,40 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RESTART_PAUSES = (2.0, 4.0, 8.0, 15.0, 30.0)
 
 
+def site_bounds(cfg: SiteConfig) -> Any:
+    """The site's ``[bounds]``; ``share_activations = true`` also allows the split-learning methods.
+
+    A site that did not list ``allowed_methods`` itself gets the default list, plus BlackFed
+    (and the white-box split baseline) when its operator agreed that activations leave the site
+    (docs/federation.md §10): the consent is what allows them.
+    """
+    from dataclasses import replace
+
+    from engine.fl.registry import SPLIT_LEARNING_METHODS
+    from engine.security.run_spec import SiteBounds
+
+    bounds = SiteBounds.from_dict(cfg.bounds)
+    if getattr(cfg, "share_activations", False) and "allowed_methods" not in cfg.bounds:
+        bounds = replace(bounds, allowed_methods=(*bounds.allowed_methods, *SPLIT_LEARNING_METHODS))
+    return bounds
+
+
 def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
     """What a run's signed settings are checked against: the federation CA (none when insecure) and [bounds]."""
-    from engine.security.run_spec import SiteBounds, bounds_dict
+    from engine.security.run_spec import bounds_dict
 
     return {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
-            "bounds": bounds_dict(SiteBounds.from_dict(cfg.bounds))}
+            "bounds": bounds_dict(site_bounds(cfg))}
 
 
 def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes) -> dict[str, Any]:
     """The run's verified settings (:func:`engine.security.run_spec.verify_envelope`) from its run config."""
     from engine.security.approval import app_hash
-    from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
+    from engine.security.run_spec import RUN_CONFIG_KEY, verify_envelope
 
     return verify_envelope((run_config or {}).get(RUN_CONFIG_KEY),
                            ca_cert=None if insecure or cfg.ca_cert is None else cfg.ca_cert,
-                           app_hash=app_hash(fab), bounds=SiteBounds.from_dict(cfg.bounds))
+                           app_hash=app_hash(fab), bounds=site_bounds(cfg))
 
 
 class SuperNodeSupervisor:
@@ -258,7 +276,7 @@ class TaskExecutor:
                     settings = check_run_settings(self.cfg, self.insecure, context.run_config, task.fab.content)
                     self._announce(settings)
                     self.worker.signed_spec = settings["spec_json"]
-                except RunSpecRefused as exc:
+                except (RunSpecRefused, ConfigError) as exc:
                     release_task_message(client, task)
                     self.events.error(str(exc))
                     reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=message)

@@ -131,10 +131,17 @@ class ReplyBytes:
 MIN_REPLY_LIMIT = 128 * 1024 * 1024
 
 
-def reply_limit_for(method: Any, state: Any, sites: list[str] | tuple[str, ...]) -> int:
-    """The largest legitimate reply of ``method`` in bytes, doubled, plus 16 MiB (at least 128 MiB)."""
+def reply_limit_for(method: Any, state: Any, sites: list[str] | tuple[str, ...]) -> int | None:
+    """The largest legitimate reply of ``method`` in bytes, doubled, plus 16 MiB (at least 128 MiB).
+
+    ``None`` (no per-reply limit; the per-request, in-flight and authentication checks still
+    apply) for a dialogue method (:class:`engine.fl.exchange.ExchangeMethod`), whose replies
+    are activations whose size depends on batch, image size and perturbations, not on a model.
+    """
     from engine.fl.weights import payload_bytes
 
+    if not callable(getattr(method, "expected_update_shapes", None)):
+        return None
     largest = 0
     for site in sites:
         parts = method.expected_update_shapes(state, site)

@@ -1,0 +1,78 @@
+"""End to end on 127.0.0.1 with every protection on: a site refuses a run beyond its [bounds] before pulling.
+
+Coordinator (in this process) and two ``fedsm site`` processes, TLS, enrolled keys, FedAvg,
+one round at 32 px. site2's site.toml allows only FedSM: its SuperNode checks the run's signed
+settings when the first message arrives and answers with an error without pulling a single
+object of the payload (checked on every request the sites sent, as recorded by the fleet
+listener); the round completes with site1, which shows the signed settings to its operator.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fed_fixtures import fed_data, pki  # noqa: F401
+from harness import LoopbackFederation, Processes, wait_for
+
+from engine.federation.config import load_federation_config
+from engine.federation.events import EventWriter, read_events
+from engine.federation.flower.fleet_listener import read_recorded
+
+SITES = ["site1", "site2"]
+TRAINING = {"task": "fundus", "method": "fedavg", "rounds": 1, "seed": 0, "image_size": 32, "batch_size": 4}
+
+
+@pytest.mark.slow
+def test_a_site_refuses_a_run_beyond_its_bounds_before_pulling_any_payload(fed_data, pki, tmp_path):  # noqa: F811
+    from flwr.proto.message_pb2 import PullObjectRequest
+
+    from engine.federation.flower.server import run_server
+
+    # Prepare
+    _, datalists = fed_data
+    fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"min_sites": 1, "round_timeout": 240})
+    with fed.site_config("site2").open("a") as fh:
+        fh.write('\n[bounds]\nallowed_methods = ["fedsm"]\n')
+    cfg = load_federation_config(fed.config)
+    sent_by_sites = tmp_path / "sent-by-sites"
+    stop = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def serve() -> None:
+        try:
+            with EventWriter("server", path=fed.server_events) as events:
+                outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set, record_fleet=sent_by_sites)
+        except BaseException as exc:  # reported by the test thread
+            outcome["error"] = exc
+
+    procs = Processes()
+    server = threading.Thread(target=serve, name="coordinator")
+    try:
+        # Execute
+        server.start()
+        sites = [fed.start_site(procs, s) for s in SITES]
+        wait_for(fed.site_events("site2"), lambda e: e["event"] == "error" and "allowed_methods" in e["message"],
+                 400, sites)
+        server.join(timeout=400)
+        assert not server.is_alive(), "the federation did not finish within 400 s"
+    finally:
+        stop.set()
+        server.join(timeout=60)
+        procs.stop_all()
+
+    # Assert: the round completed with site1; site2 refused with its reason
+    assert "error" not in outcome, outcome.get("error")
+    rounds = outcome["summary"]["rounds"]  # type: ignore[index]
+    assert rounds[0]["answered"] == ["site1"]
+    assert "allowed_methods" in rounds[0]["left_out"]["site2"]
+    site2 = read_events(fed.site_events("site2"))
+    assert not any(e["event"] in ("received", "run_settings", "sent") for e in site2)
+    shown = next(e for e in read_events(fed.site_events("site1")) if e["event"] == "run_settings")["settings"]
+    assert shown["signed"] is True and shown["method"] == "fedavg" and shown["rounds"] == 1
+    # Assert: site2's node never pulled an object (the payload); site1's did
+    nodes = {e["site"]: e["node"] for e in read_events(fed.server_events) if e["event"] == "connected"}
+    pulled_by = [PullObjectRequest.FromString(body).node.node_id
+                 for path, body in read_recorded(sent_by_sites) if path.endswith("/pull-object")]
+    assert nodes["site1"] in pulled_by
+    assert nodes["site2"] not in pulled_by
