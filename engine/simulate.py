@@ -87,9 +87,15 @@ class SimulationConfig:
     routing_guard: bool = True
     holdout_site: str | None = None
     slices: int | None = None
+    #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
+    #: the bundle's ``extra["fundus_crop"]``) at inference; ``"none"``: photos used whole.
+    fundus_crop: str = "none"
 
     def __post_init__(self) -> None:
+        from engine.data.disc_crop import check_mode
+
         get_task(self.task)
+        check_mode(self.fundus_crop)
         if self.datalists:
             self.datalists = tuple(str(p) for p in self.datalists)
             self.sites = len(self.datalists)
@@ -201,7 +207,8 @@ class Simulation:
         from engine.data.site_data import load_site
 
         datalists = prepare_data(self.cfg, self.out_dir, self.progress)
-        self.sites = [load_site(p, self.task, self.cfg.image_size) for p in datalists]
+        self.sites = [load_site(p, self.task, self.cfg.image_size, fundus_crop=self.cfg.fundus_crop)
+                      for p in datalists]
         names = [s.name for s in self.sites]
         if len(set(names)) != len(names):
             raise ConfigError(f"site names must be unique, got {names}")
@@ -480,7 +487,7 @@ class Simulation:
 
         extra_method = method.name == "fedsm-extra"
         guarded = not extra_method and "validation_dice" in state
-        details: dict[str, Any] = {"seed": self.cfg.seed,
+        details: dict[str, Any] = {"seed": self.cfg.seed, "fundus_crop": self.cfg.fundus_crop,
                                    "selector_calibration": getattr(method, "selector_calibration", "lda")}
         if "selector_calibration" in state:
             details["selector_temperature"] = float(state["selector_calibration"]["temperature"][0])
@@ -510,7 +517,8 @@ class Simulation:
             val_dice[site.name] = value if value is not None and np.isfinite(value) else None
         return single_model_bundle(self.task.name, name, weights, [s.name for s in self.sites], self.cfg.image_size,
                                    rounds=rounds, val_dice=val_dice,
-                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate"})
+                                   extra={"seed": self.cfg.seed, "trained_by": "fedsm simulate",
+                                          "fundus_crop": self.cfg.fundus_crop})
 
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:

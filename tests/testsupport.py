@@ -39,3 +39,23 @@ def write_photo_site(root: Path, stems: list[str], mask_name: str = "{stem}.png"
         Image.fromarray(photo.astype(np.uint8)).save(root / "images" / f"{stem}.png")
         Image.fromarray(label).save(root / "masks" / mask_name.format(stem=stem))
     return root
+
+
+def fedavg_network_bundle(work: Path) -> Path:
+    """What the coordinator writes for a FedAvg run (engine.federation.flower.server.write_results)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.federation.flower.server import write_results
+    from engine.federation.spec import MethodSpec
+    from engine.models import build_segmentation_net
+
+    torch.manual_seed(0)
+    spec = MethodSpec(method="fedavg", task="fundus", site_names=("north", "south"), rounds=2, image_size=32)
+    cfg = SimpleNamespace(spec=spec, work_dir=work)
+    state = {"global": build_segmentation_net(3, 2).state_dict()}
+    work.mkdir(parents=True, exist_ok=True)
+    summary = write_results(cfg, SimpleNamespace(total_rounds=2), state, [], "session1", "sha256:" + "0" * 64)
+    assert summary["files"] == {"global": "global.safetensors"}
+    return work / "global.safetensors"

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-epsilon", type=float, default=None,
                    help="FedIOD sites' epsilon target for the run (instead of --dp-noise)")
     p.add_argument("--dp-clip", type=float, default=1.0, help="FedIOD sites' clipping norm of one release")
+    p.add_argument("--fundus-crop", choices=["none", "auto"], default="none",
+                   help="auto: crop full fundus photographs (dark corners) around the optic disc, at training and "
+                        "(recorded in the bundle) at inference, so crops and full photos can share a federation")
     from engine.cli.data_commands import add_orientation_option
 
     add_orientation_option(p)
@@ -217,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                     routing_guard=args.routing_guard, holdout_site=args.holdout_site, slices=args.slices,
-                    device=args.device, data_dir=data_dir, datalists=datalists,
+                    device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop,
                     options=parse_options(args.options))
         finally:
             progress.close()
@@ -235,6 +238,8 @@ def _run(args: argparse.Namespace) -> int:
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
             print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "
                   f"routed to {', '.join(sorted(set(models)))})")
+        for item in summary.get("skipped", []):
+            print(f"skipped {item['input']}: {item['reason']}")
         print(f"routing written to {args.out / 'routing.json'}")
         return 0
     raise AssertionError(args.command)
@@ -254,6 +259,21 @@ def main(argv: list[str] | None = None) -> int:
     except FedSMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # the file system or the network refused (a missing folder, no permission, a full disk): the
+        # user's environment, not a bug; say which path and why, in one line
+        print(f"error: {os_error_message(exc)}", file=sys.stderr)
+        return 2
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an :class:`OSError` that reached the command line: the path, the reason, what to do."""
+    where = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    reason = exc.strerror or str(exc)
+    if where:
+        return (f"{where}: {reason}; check that the path exists, that its parent is a folder, and that you may "
+                "read or write it")
+    return f"{reason}; check the paths and permissions given"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from engine.data.datalist import load_datalist_with_info
+from engine.data.disc_crop import disc_box
 from engine.data.label_conventions import DATALIST_KEY, LabelConvention, convention_for, read_task_channels
 from engine.data.preprocess import (
     normalise_rgb,
@@ -120,8 +121,13 @@ def _read_case(task: TaskSpec, image_path: Path, label_path: Path, convention: L
 
 
 def _load_fundus_case(task: TaskSpec, image_path: Path, label_path: Path, size: int,
-                      convention: LabelConvention | None = None) -> tuple[np.ndarray, np.ndarray]:
+                      convention: LabelConvention | None = None, fundus_crop: str = "none"
+                      ) -> tuple[np.ndarray, np.ndarray]:
     image, channels = _read_case(task, image_path, label_path, convention)
+    box = disc_box(image, fundus_crop)  # full photos -> the disc-centred crop (engine.data.disc_crop)
+    if box is not None:
+        rows, cols = box.slices()
+        image, channels = image[rows, cols], channels[:, rows, cols]
     images = resize_images(normalise_rgb(image)[None], size)
     masks = resize_masks(channels[None], size)
     return images, masks
@@ -142,7 +148,7 @@ def _hw(shape: tuple[int, ...]) -> str:
 
 def load_split(entries: list[dict[str, Any]], task: TaskSpec, image_size: int,
                progress: Callable[[int, int], None] | None = None,
-               convention: LabelConvention | None = None) -> SplitArrays:
+               convention: LabelConvention | None = None, fundus_crop: str = "none") -> SplitArrays:
     """Load one datalist section's cases into :class:`SplitArrays`.
 
     Parameters
@@ -157,11 +163,17 @@ def load_split(entries: list[dict[str, Any]], task: TaskSpec, image_size: int,
         Called with ``(cases done, cases)`` after each case.
     convention
         How the masks store their labels; ``None``: the task's default convention.
+    fundus_crop
+        ``"auto"``: full fundus photographs are cropped around the optic disc first
+        (:mod:`engine.data.disc_crop`); ``"none"``: photos are used whole.
     """
-    load = _load_volume_case if task.volumetric else _load_fundus_case
     images, masks, ids = [], [], []
     for i, entry in enumerate(entries):
-        img, msk = load(task, Path(entry["image"]), Path(entry["label"]), image_size, convention)
+        if task.volumetric:
+            img, msk = _load_volume_case(task, Path(entry["image"]), Path(entry["label"]), image_size, convention)
+        else:
+            img, msk = _load_fundus_case(task, Path(entry["image"]), Path(entry["label"]), image_size, convention,
+                                         fundus_crop)
         images.append(img.astype(np.float32, copy=False))
         masks.append((msk > 0.5).astype(np.float32))
         ids.append(np.full(len(img), i, dtype=np.int64))
@@ -173,7 +185,7 @@ def load_split(entries: list[dict[str, Any]], task: TaskSpec, image_size: int,
 
 
 def load_site(datalist_path: str | os.PathLike[str], task: TaskSpec, image_size: int,
-              name: str | None = None) -> SiteData:
+              name: str | None = None, fundus_crop: str = "none") -> SiteData:
     """Load a site's datalist into arrays.
 
     Parameters
@@ -186,6 +198,8 @@ def load_site(datalist_path: str | os.PathLike[str], task: TaskSpec, image_size:
         Side ``S`` every image and mask is resized to.
     name
         Site name; defaults to the datalist's ``"name"``, else the datalist's folder name.
+    fundus_crop
+        ``"auto"``: crop full fundus photographs around the optic disc (:mod:`engine.data.disc_crop`).
 
     Returns
     -------
@@ -218,6 +232,7 @@ def load_site(datalist_path: str | os.PathLike[str], task: TaskSpec, image_size:
         convention = convention_for(task.name, info.get(DATALIST_KEY))
     except ConfigError as exc:
         raise DataError(f"{path}: {exc}") from exc
-    splits = {attr: load_split(sections.get(section, []), task, int(image_size), convention=convention)
+    splits = {attr: load_split(sections.get(section, []), task, int(image_size), convention=convention,
+                               fundus_crop=fundus_crop)
               for attr, section in SPLIT_SECTIONS.items()}
     return SiteData(name, splits["train"], splits["validation"], splits["test"], datalist=path.absolute())

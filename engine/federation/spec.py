@@ -50,6 +50,8 @@ class MethodSpec:
     selector_epochs: int = 1
     selector_bn: str = "batch"
     routing_guard: bool = True
+    #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
+    fundus_crop: str = "none"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
     #: ``[training]`` they are written as top-level keys with that prefix.
     options: dict[str, Any] = field(default_factory=dict)
@@ -79,6 +81,9 @@ class MethodSpec:
         from engine.fl.selector_training import check_calibration
 
         check_calibration(self.selector_calibration)
+        from engine.data.disc_crop import check_mode
+
+        check_mode(self.fundus_crop)
         if not isinstance(self.routing_guard, bool):
             raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
         if self.selector_head not in ("gap", "classic"):

@@ -189,7 +189,9 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
                 row = {"choice": choice, "site": name, "image": str(image_path), "label": str(entry["label"]),
                        "dice": dict(zip(labels, dice, strict=True)), "hd95": dict(zip(labels, hd, strict=True)),
                        "models": seg.models_used,
-                       "confidence": float(np.mean([r.confidence for r in records])) if records else None}
+                       # the selector's confidence means something only where it chose the model
+                       "confidence": (float(np.mean([r.confidence for r in records]))
+                                      if records and choice == "routed" and not meta.single_model else None)}
                 rows.append(row)
                 site_rows[choice].append(row)
         for choice, items in site_rows.items():
@@ -224,7 +226,7 @@ def format_evaluation(report: dict[str, Any]) -> str:
     labels = report["labels"]
     unit = report["hd95_unit"]
     head = ["model", "site", "images", *[f"{lb} Dice" for lb in labels], *[f"{lb} HD95 ({unit})" for lb in labels],
-            "routed to"]
+            "segmented by"]
     table: list[list[str]] = []
     for choice, doc in report["choices"].items():
         for site, s in doc["sites"].items():
@@ -245,6 +247,7 @@ def format_evaluation(report: dict[str, Any]) -> str:
     for r in report["images"]:
         dice = ", ".join(f"{lb} {_fmt(r['dice'][lb])}" for lb in labels)
         models = ", ".join(f"{m}" + (f" x{n}" if n > 1 else "") for m, n in r["models"].items())
-        conf = "" if r["confidence"] is None else f", selector confidence {r['confidence']:.2f}"
-        lines.append(f"  {r['choice']:<9} {r['site']}: {Path(r['image']).name}: Dice {dice}; routed to {models}{conf}")
+        how = "routed to" if r["confidence"] is not None else "segmented by"
+        conf = "" if r["confidence"] is None else f" (selector confidence {r['confidence']:.2f})"
+        lines.append(f"  {r['choice']:<9} {r['site']}: {Path(r['image']).name}: Dice {dice}; {how} {models}{conf}")
     return "\n".join(lines)

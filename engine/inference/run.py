@@ -260,6 +260,13 @@ def infer_path(
     if mask_format is not None and mask_format not in MASK_FORMATS:
         raise ConfigError(f"unknown mask format {mask_format!r}; choose one of {', '.join(MASK_FORMATS)}")
     inputs = _collect_inputs(source, out)
+    # masks (named by a datalist, or label maps by content) are not segmented; see screening.py
+    from engine.inference.screening import screen_inputs, task_warnings
+
+    inputs, skipped, warnings = screen_inputs(inputs, source)
+    if not inputs:
+        raise DataError(f"{source}: every file there is a mask or label map ({skipped[0]['reason']}); choose the "
+                        "folder of images")
 
     loaded: LoadedBundle = load_predictor(bundle_file, device)
     meta = loaded.predictor.metadata
@@ -284,6 +291,9 @@ def infer_path(
         seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel,
                            force_model=force_model)
         offset += 2 * study.num_slices
+        notes = [*warnings.get(str(item.path), []), *task_warnings(study, task)]
+        for note in notes:
+            log.warning("%s", note)
         fmt = _resolve_format(mask_format, study.kind == "volume")
         mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
         record: dict[str, Any] = {
@@ -296,6 +306,8 @@ def infer_path(
             "models_used": seg.models_used,
             "images": [r.to_dict() for r in seg.records],
         }
+        if notes:
+            record["warnings"] = notes
         if item.is_dicom:
             record["series_uid"] = item.series_uid
         records.append(record)
@@ -317,5 +329,7 @@ def infer_path(
     extra = getattr(meta, "extra", None) or {}  # a split bundle's view has none
     if extra.get("distilled"):  # FedIOD's student: say how it was trained and at what privacy cost
         result["distilled"] = {"epsilon": extra.get("epsilon"), "delta": extra.get("delta")}
+    if skipped:
+        result["skipped"] = skipped
     write_text_atomic(out / ROUTING_FILE, json.dumps(result, indent=2, allow_nan=False) + "\n")
     return result

@@ -17,10 +17,12 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from engine.bundle.supermodel import file_sha256, load_bundle
+from engine.bundle.supermodel import BundleMetadata, file_sha256, load_bundle, read_metadata
+from engine.data.disc_crop import CropBox
 from engine.data.preprocess import (
     fundus_channels_to_label,
     normalise_rgb,
@@ -64,10 +66,9 @@ _hashes: dict[tuple[str, int, int], str] = {}
 
 
 def _bundle_sha256(path: Path) -> str:
-    try:
-        stat = path.stat()
-    except OSError:
-        return file_sha256(path)  # raises the bundle's own "not found" error
+    if not path.is_file():
+        read_metadata(path)  # raises the bundle's own "not found" / "is a folder" error
+    stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     with _lock:
         known = _hashes.get(key)
@@ -285,6 +286,20 @@ def _records(prediction: Prediction, model_names: list[str], prob_names: list[st
     return tuple(records)
 
 
+def _disc_box(study: Study, meta: BundleMetadata | Any) -> CropBox | None:
+    """The disc-centred crop a photo gets under the bundle's ``extra["fundus_crop"]`` (``None``: whole photo).
+
+    Metadata without ``extra`` (a split bundle's view) means no crop.
+    """
+    from engine.data.disc_crop import CROP_MODES, disc_box
+
+    extra = getattr(meta, "extra", None)
+    mode = extra.get("fundus_crop", "none") if isinstance(extra, dict) else "none"
+    if study.kind != "photo" or mode not in CROP_MODES:
+        return None
+    return disc_box(np.asarray(study.array, dtype=np.uint8), mode)
+
+
 def segment_with(
     loaded: LoadedBundle,
     study: Study,
@@ -305,8 +320,12 @@ def segment_with(
     if gamma is not None and meta.routing != "gamma":
         check_gamma(gamma)  # still refuse nonsense, even where argmax routing ignores it
 
+    images = study_images(task, study)
+    box = _disc_box(study, meta)
+    if box is not None:  # the bundle was trained on disc-centred crops of full photos (engine.data.disc_crop)
+        images = np.ascontiguousarray(images[(slice(None), slice(None), *box.slices())])
     prediction = predictor.predict(
-        study_images(task, study), gamma=gamma, batch_size=batch_size, force_model=forced,
+        images, gamma=gamma, batch_size=batch_size, force_model=forced,
         progress=progress, cancel=cancel,
     )
     if study.kind == "photo":
@@ -314,6 +333,10 @@ def segment_with(
         if task.name == "fundus":
             masks = clean_fundus_masks(masks)  # largest component, holes filled, cup inside the disc
         label = masks_to_label_map(task, masks)
+        if box is not None:  # the crop's mask back into a full-size map, background outside the crop
+            full = np.zeros(np.asarray(study.array).shape[:2], dtype=label.dtype)
+            full[box.slices()] = label
+            label = full
     else:
         # (Z, L, X, Y) -> (L, Z, X, Y) -> (Z, X, Y) -> (X, Y, Z)
         label = slices_to_volume(masks_to_label_map(task, prediction.masks.transpose(1, 0, 2, 3)))

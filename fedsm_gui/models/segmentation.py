@@ -78,6 +78,8 @@ class SegmentationState:
         """``["global", site1, ...]`` of the loaded bundle (empty without one)."""
         if not self.metadata:
             return []
+        if self.metadata.get("routing") == "none":  # single-model bundle (FedAvg, FedProx, Scaffold)
+            return ["global"]
         if self.chooses_site:
             return list(self.metadata.get("site_names", []))
         return ["global", *self.metadata.get("site_names", [])]

@@ -83,6 +83,12 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
     assert max_abs_difference(fed.work / "supermodel.safetensors", simulated_supermodel) <= 1e-5
     summary = outcome["summary"]
     assert [r["answered"] for r in summary["rounds"]] == [SITES] * 3
+    # Assert: every site measured the final models on its own splits; the bundle holds those Dice
+    from engine.bundle import read_metadata
+
+    meta = read_metadata(fed.work / "supermodel.safetensors")
+    assert sorted(summary["site_dice"]) == sorted(SITES) and meta.extra["site_dice"] == summary["site_dice"]
+    assert all(meta.val_dice[s] == summary["site_dice"][s]["validation"]["personalized"] for s in SITES)
     # Assert: what left the sites
     check_only_weights_counts_and_metrics_left(read_recorded(sent_by_sites), datalists)
     # Assert: progress events as the desktop app reads them

@@ -190,3 +190,12 @@ def test_unused_labels_still_get_a_legend_entry():
     overlays = OverlayState()
     overlays.set_layer(MODEL_LAYER, LabelMap(np.zeros((4, 4), np.uint8), {1: "disc", 2: "cup"}))
     assert sorted(overlays.layers[MODEL_LAYER].styles) == [1, 2]
+
+
+def test_single_model_bundle_offers_only_the_global_model():
+    state = SegmentationState()
+    state.set_bundle("fedavg.safetensors", {"gamma": 0.0, "site_names": ["site1", "site2"], "routing": "none",
+                                            "method": "fedavg"})
+    assert state.model_names == ["global"] and not state.uses_gamma
+    with pytest.raises(ValueError, match="unknown model"):
+        state.set_forced_model("site1")

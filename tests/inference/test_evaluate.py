@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from testsupport import write_photo_site
+from testsupport import fedavg_network_bundle, write_photo_site
 
 from engine import api
 from engine.bundle import load_bundle, read_metadata, save_bundle
@@ -108,21 +107,6 @@ def test_evaluate_cli_prints_the_table_and_writes_json(bundle, sites, tmp_path, 
     assert "'validation' section is empty" in capsys.readouterr().err
 
 
-def fedavg_network_bundle(work: Path) -> Path:
-    """What the coordinator writes for a FedAvg run (engine.federation.flower.server.write_results)."""
-    from engine.federation.flower.server import write_results
-    from engine.federation.spec import MethodSpec
-
-    torch.manual_seed(0)
-    spec = MethodSpec(method="fedavg", task="fundus", site_names=("north", "south"), rounds=2, image_size=32)
-    cfg = SimpleNamespace(spec=spec, work_dir=work)
-    state = {"global": build_segmentation_net(3, 2).state_dict()}
-    work.mkdir(parents=True, exist_ok=True)
-    summary = write_results(cfg, SimpleNamespace(total_rounds=2), state, [], "session1", "sha256:" + "0" * 64)
-    assert summary["files"] == {"global": "global.safetensors"}
-    return work / "global.safetensors"
-
-
 def test_fedavg_network_bundle_opens_in_infer_and_evaluate(sites, tmp_path, capsys):
     # Prepare
     model = fedavg_network_bundle(tmp_path / "coordinator")
@@ -153,3 +137,14 @@ def test_single_model_bundle_round_trip_and_refusals(tmp_path):
     assert all(torch.equal(loaded.global_weights[k], v) for k, v in weights.items())
     with pytest.raises(ConfigError, match="does not produce a single global model"):
         single_model_bundle("fundus", "fedsm", weights, ["a"], 32)
+
+
+def test_single_model_bundle_through_the_app_api(sites, tmp_path):
+    # the desktop app reads the metadata and calls segment_study (engine.api) on the opened study
+    model = fedavg_network_bundle(tmp_path / "coordinator")
+    meta = api.read_bundle_metadata(model)
+    study = open_study(load_datalist_with_info(sites[1])[0]["testing"][0]["image"])
+    seg = api.segment_study(model, study, device="cpu")
+    assert meta["routing"] == "none" and meta["site_names"] == ["north", "south"]
+    assert seg.models_used == {"global": 1} and seg.records[0].probabilities == {"global": 1.0}
+    assert seg.labels.array.shape == study.array.shape[:2] and seg.provenance().method == "fedavg"

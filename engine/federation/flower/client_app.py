@@ -8,8 +8,9 @@ reply holds the method's weights, the training sample count and numeric metrics:
 else leaves the site (no image, no mask, no path; an error is reported to the coordinator
 without its details, which stay in the site's own log).
 
-``query`` messages: ``identify`` (insecure mode: the site tells its name) and ``finished``
-(the run is over).
+``query`` messages: ``identify`` (insecure mode: the site tells its name), ``evaluate`` (the final
+models' Dice on the site's validation and testing images, numbers only; see
+:mod:`engine.federation.flower.final_evaluation`) and ``finished`` (the run is over).
 """
 
 from __future__ import annotations
@@ -76,15 +77,16 @@ class SiteWorker:
     signed_spec: str | None = None
 
     # --- pieces ------------------------------------------------------------------------
-    def data(self, task: str, image_size: int) -> SiteData:
+    def data(self, task: str, image_size: int, fundus_crop: str = "none") -> SiteData:
         """The site's data at ``image_size`` (loaded once, through the same path as training and inference)."""
         from engine.data.site_data import load_site
         from engine.tasks import get_task
 
-        key = (task, image_size)
+        key = (task, image_size, fundus_crop)
         if key not in self._data:
             self.events.status(f"loading {self.cfg.datalist.name} at {image_size} px")
-            self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name)
+            self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name,
+                                        fundus_crop=fundus_crop)
         return self._data[key]
 
     def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:
@@ -123,7 +125,7 @@ class SiteWorker:
         self.events.emit("received", round=rnd, rounds=total, method=ins.method, bytes=records.record_bytes(content),
                          contents=records.record_contents(content))
         self.events.emit("round_start", round=rnd, rounds=total, method=ins.method)
-        data = self.data(spec.task, spec.image_size)
+        data = self.data(spec.task, spec.image_size, spec.fundus_crop)
         runtime = SiteRuntime(self.cfg.name, spec.site_names.index(self.cfg.name), data.train,
                               load_site_state_before(self.state_dir, ins.session, rnd), validation=data.validation)
 
@@ -184,6 +186,10 @@ class SiteWorker:
 
         info = content.config_records.get(records.INFO, {})
         action = info.get("action")
+        if action == "evaluate":
+            from engine.federation.flower.final_evaluation import evaluate_at_site
+
+            return evaluate_at_site(self, content)
         if action == "finished":
             self.finished = True
             self.events.emit("finished", rounds=int(info.get("rounds", 0)))

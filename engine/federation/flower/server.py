@@ -133,9 +133,15 @@ def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str 
 
 
 def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], history: list[dict[str, Any]],
-                  session: str, app_hash: str) -> dict[str, Any]:
-    """Write the trained models and ``summary.json``; return the summary."""
+                  session: str, app_hash: str,
+                  site_dice: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+    """Write the trained models and ``summary.json``; return the summary.
+
+    ``site_dice`` (``{site: {split: {model: Dice}}}``, the sites' final evaluation) fills the bundle's
+    ``val_dice`` and ``extra["site_dice"]``.
+    """
     from engine.federation.checkpoint import save_weightset
+    from engine.federation.flower.final_evaluation import bundle_val_dice
     from engine.fl.registry import EXCHANGE_METHODS
 
     spec = cfg.spec
@@ -151,10 +157,12 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
-            gamma=float(spec.gamma), rounds=method.total_rounds, val_dice={s: None for s in spec.site_names},
+            gamma=float(spec.gamma), rounds=method.total_rounds,
+            val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
-            extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server"})
+            extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
+                   "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
@@ -171,13 +179,14 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
 
         bundle = single_model_bundle(spec.task, spec.method, state["global"], list(spec.site_names),
                                      spec.image_size, rounds=method.total_rounds,
-                                     val_dice={s: None for s in spec.site_names},
+                                     val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
                                      extra={"seed": spec.seed, "session": session, "app_hash": app_hash,
-                                            "trained_by": "fedsm server"})
+                                            "trained_by": "fedsm server", "site_dice": site_dice or {},
+                                            "fundus_crop": spec.fundus_crop})
         save_bundle(cfg.work_dir / "global.safetensors", bundle)
         files["global"] = "global.safetensors"
     summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
-               "rounds": history, "files": files}
+               "rounds": history, "files": files, "site_dice": site_dice or {}}
     write_text_atomic(cfg.work_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -308,7 +317,8 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         runner.set_robust(cfg.robust)
         result: dict[str, Any] = {}
         build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
-        summary = write_results(cfg, method, result["state"], runner.history, session, app.hash)
+        summary = write_results(cfg, method, result["state"], runner.history, session, app.hash,
+                                result.get("site_dice"))
         status, details = "completed", ""
         return summary
     finally:

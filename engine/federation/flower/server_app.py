@@ -477,7 +477,11 @@ def build_server_app(runner: FederationRunner, resume: Checkpoint | None, result
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        from engine.federation.flower.final_evaluation import evaluate_final
+
         result["state"] = runner.run(grid, resume)
+        # each site's validation and testing Dice of the final models (final_evaluation.py)
+        result["site_dice"] = evaluate_final(runner, grid, result["state"])
         runner.announce_finished(grid)
 
     return app
