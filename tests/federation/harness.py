@@ -151,3 +151,48 @@ def _toml(doc: dict[str, dict[str, Any]]) -> str:
         lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+class CoordinatorThread:
+    """``fedsm server``'s ``run_server`` for a :class:`LoopbackFederation`, in a thread of the test.
+
+    The test can then read the run's summary (``outcome["summary"]``) or the exception it ended
+    with (``outcome["error"]``); ``record_fleet`` keeps what the sites sent, as on the wire.
+    """
+
+    def __init__(self, fed: LoopbackFederation, record_fleet: Path | None = None) -> None:
+        import threading
+
+        from engine.federation.config import load_federation_config
+
+        self.cfg = load_federation_config(fed.config)
+        self.fed = fed
+        self.record_fleet = record_fleet
+        self.outcome: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="coordinator")
+
+    def _serve(self) -> None:
+        from engine.federation.events import EventWriter
+        from engine.federation.flower.server import run_server
+
+        try:
+            with EventWriter("server", path=self.fed.server_events) as events:
+                self.outcome["summary"] = run_server(self.cfg, events=events, stop=self._stop.is_set,
+                                                     record_fleet=self.record_fleet)
+        except BaseException as exc:  # reported by the test thread
+            self.outcome["error"] = exc
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout=timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 60) -> None:
+        """Ask the coordinator to stop and wait for it."""
+        self._stop.set()
+        self._thread.join(timeout=timeout)

@@ -9,14 +9,11 @@ listener); the round completes with site1, which shows the signed settings to it
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from fed_fixtures import fed_data, pki  # noqa: F401
-from harness import LoopbackFederation, Processes, wait_for
+from harness import CoordinatorThread, LoopbackFederation, Processes, wait_for
 
-from engine.federation.config import load_federation_config
-from engine.federation.events import EventWriter, read_events
+from engine.federation.events import read_events
 from engine.federation.flower.fleet_listener import read_recorded
 
 SITES = ["site1", "site2"]
@@ -27,27 +24,16 @@ TRAINING = {"task": "fundus", "method": "fedavg", "rounds": 1, "seed": 0, "image
 def test_a_site_refuses_a_run_beyond_its_bounds_before_pulling_any_payload(fed_data, pki, tmp_path):  # noqa: F811
     from flwr.proto.message_pb2 import PullObjectRequest
 
-    from engine.federation.flower.server import run_server
 
     # Prepare
     _, datalists = fed_data
     fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"min_sites": 1, "round_timeout": 240})
     with fed.site_config("site2").open("a") as fh:
         fh.write('\n[bounds]\nallowed_methods = ["fedsm"]\n')
-    cfg = load_federation_config(fed.config)
     sent_by_sites = tmp_path / "sent-by-sites"
-    stop = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def serve() -> None:
-        try:
-            with EventWriter("server", path=fed.server_events) as events:
-                outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set, record_fleet=sent_by_sites)
-        except BaseException as exc:  # reported by the test thread
-            outcome["error"] = exc
-
+    server = CoordinatorThread(fed, record_fleet=sent_by_sites)
+    outcome = server.outcome
     procs = Processes()
-    server = threading.Thread(target=serve, name="coordinator")
     try:
         # Execute
         server.start()
@@ -57,8 +43,7 @@ def test_a_site_refuses_a_run_beyond_its_bounds_before_pulling_any_payload(fed_d
         server.join(timeout=400)
         assert not server.is_alive(), "the federation did not finish within 400 s"
     finally:
-        stop.set()
-        server.join(timeout=60)
+        server.stop()
         procs.stop_all()
 
     # Assert: the round completed with site1; site2 refused with its reason

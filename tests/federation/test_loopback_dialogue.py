@@ -12,14 +12,11 @@ Two ``fedsm site`` processes and the coordinator run one BlackFed round; the tes
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from fed_fixtures import fed_data, pki  # noqa: F401
-from harness import LoopbackFederation, Processes, wait_for
+from harness import CoordinatorThread, LoopbackFederation, Processes, wait_for
 
-from engine.federation.config import load_federation_config
-from engine.federation.events import EventWriter, read_events
+from engine.federation.events import read_events
 from engine.federation.flower.fleet_listener import read_recorded
 from engine.federation.flower.processes import free_port
 
@@ -31,7 +28,6 @@ OPTIONS = {"blackfed_client_epochs": 1, "blackfed_server_epochs": 1, "blackfed_p
 @pytest.mark.parametrize("method", ["blackfed-v2"])
 def test_dialogue_method_over_secure_loopback_matches_the_simulation(method, fed_data, pki, tmp_path):  # noqa: F811
     from engine.federation.checkpoint import load_weightset
-    from engine.federation.flower.server import run_server
 
     # Prepare
     _, datalists = fed_data
@@ -41,20 +37,10 @@ def test_dialogue_method_over_secure_loopback_matches_the_simulation(method, fed
     for site in SITES:  # the operators agreed that activations and masks leave their sites
         text = fed.site_config(site).read_text()
         fed.site_config(site).write_text(text.replace("[site]\n", "[site]\nshare_activations = true\n", 1))
-    cfg = load_federation_config(fed.config)
     sent_by_sites = tmp_path / "sent-by-sites"
-    stop = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def serve() -> None:
-        try:
-            with EventWriter("server", path=fed.server_events) as events:
-                outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set, record_fleet=sent_by_sites)
-        except BaseException as exc:  # reported by the test thread
-            outcome["error"] = exc
-
+    server = CoordinatorThread(fed, record_fleet=sent_by_sites)
+    outcome = server.outcome
     procs = Processes()
-    server = threading.Thread(target=serve, name="coordinator")
     try:
         # Execute
         server.start()
@@ -73,8 +59,7 @@ def test_dialogue_method_over_secure_loopback_matches_the_simulation(method, fed
         assert not server.is_alive(), "the federation did not finish within 300 s"
         assert "error" not in outcome, outcome.get("error")
     finally:
-        stop.set()
-        server.join(timeout=60)
+        server.stop()
         procs.stop_all()
 
     # Assert: the same server state as the simulation

@@ -13,14 +13,11 @@ distillation steps of two exchanges each); the test checks that
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from fed_fixtures import fed_data, pki  # noqa: F401
-from harness import LoopbackFederation, Processes, wait_for
+from harness import CoordinatorThread, LoopbackFederation, Processes, wait_for
 
-from engine.federation.config import load_federation_config
-from engine.federation.events import EventWriter, read_events
+from engine.federation.events import read_events
 from engine.federation.flower.fleet_listener import read_recorded
 from engine.federation.flower.processes import free_port
 
@@ -32,27 +29,16 @@ DECLARED = {"label_frequency", "logits", "scores", "input_grad"}
 @pytest.mark.slow
 def test_fediod_over_secure_loopback_matches_the_simulation(fed_data, pki, tmp_path):  # noqa: F811
     from engine.federation.checkpoint import load_weightset
-    from engine.federation.flower.server import run_server
 
     # Prepare
     _, datalists = fed_data
     training = {"task": "fundus", "method": "fediod", "rounds": 1, "seed": 0, "image_size": 32, "batch_size": 4,
                 **OPTIONS}
     fed = LoopbackFederation(tmp_path, pki, datalists[:2], SITES, training, {"superlink_port": free_port()})
-    cfg = load_federation_config(fed.config)
     sent_by_sites = tmp_path / "sent-by-sites"
-    stop = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def serve() -> None:
-        try:
-            with EventWriter("server", path=fed.server_events) as events:
-                outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set, record_fleet=sent_by_sites)
-        except BaseException as exc:  # reported by the test thread
-            outcome["error"] = exc
-
+    server = CoordinatorThread(fed, record_fleet=sent_by_sites)
+    outcome = server.outcome
     procs = Processes()
-    server = threading.Thread(target=serve, name="coordinator")
     try:
         # Execute
         server.start()
@@ -62,8 +48,7 @@ def test_fediod_over_secure_loopback_matches_the_simulation(fed_data, pki, tmp_p
         assert not server.is_alive(), "the federation did not finish within 420 s"
         assert "error" not in outcome, outcome.get("error")
     finally:
-        stop.set()
-        server.join(timeout=60)
+        server.stop()
         procs.stop_all()
 
     # Assert: the same student and generator as the simulation

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 from fed_fixtures import TRAINING, fed_data, pki, simulated_supermodel  # noqa: F401
-from harness import LoopbackFederation, Processes, max_abs_difference, wait_for
+from harness import CoordinatorThread, LoopbackFederation, Processes, max_abs_difference, wait_for
 
 from engine.errors import CancelledError
 from engine.federation.config import load_federation_config
@@ -42,27 +42,15 @@ SITE_EVENT_KEYS = {
 
 @pytest.mark.slow
 def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_path):  # noqa: F811
-    from engine.federation.flower.server import run_server
 
     # Prepare
     _, datalists = fed_data
     superlink_port = free_port()
     fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"superlink_port": superlink_port})
-    cfg = load_federation_config(fed.config)
     sent_by_sites = tmp_path / "sent-by-sites"
-    stop = threading.Event()
-    outcome: dict[str, object] = {}
-
-    def serve() -> None:
-        try:
-            with EventWriter("server", path=fed.server_events) as events:
-                outcome["summary"] = run_server(cfg, events=events, stop=stop.is_set,
-                                                record_fleet=sent_by_sites)
-        except BaseException as exc:  # reported by the test thread
-            outcome["error"] = exc
-
+    server = CoordinatorThread(fed, record_fleet=sent_by_sites)
+    outcome = server.outcome
     procs = Processes()
-    server = threading.Thread(target=serve, name="coordinator")
     try:
         # Execute
         server.start()
@@ -75,8 +63,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         for site in SITES:
             wait_for(fed.site_events(site), lambda e: e["event"] == "finished", 60)
     finally:
-        stop.set()
-        server.join(timeout=60)
+        server.stop()
         procs.stop_all()
 
     # Assert: the same weights as the simulation
