@@ -89,13 +89,14 @@ def test_everything_but_the_fleet_api_is_refused_without_reaching_the_applicatio
 
 def test_a_declared_oversized_body_is_refused_before_it_is_read(listener):
     _, port, app, sent = listener
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        # announces a gigabyte, sends none of it: the answer must come at once, not after a read
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        # announces a gigabyte, sends none of it: the answer must come without the body, not after a read
+        # (the bound is generous for a loaded machine; a listener that waited for the body never answers)
         sock.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n")
         started = time.monotonic()
         answer = sock.recv(4096)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30
     assert app.seen == [] and read_recorded(sent) == []
 
 

@@ -26,15 +26,15 @@ def limited():
 
     app = EchoApp()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(FleetOnly(app, max_body=1000, max_inflight=1500, max_reply_bytes=2500),
-                                           host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
+    front = FleetOnly(app, max_body=1000, max_inflight=1500, max_reply_bytes=2500)
+    server = uvicorn.Server(uvicorn.Config(front, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the test listener did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", port, app
+    yield f"http://127.0.0.1:{port}", port, app, front
     server.should_exit = True
     thread.join(timeout=10)
 
@@ -58,11 +58,15 @@ def _push_object(object_id: str, size: int) -> bytes:
 
 
 def test_bytes_in_flight_are_bounded_and_the_excess_is_told_to_retry(limited):
-    url, port, app = limited
+    url, port, app, front = limited
     with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
         # an upload that declares 900 bytes and sends only part of them holds 900 of the 1500 bytes
         slow.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nhost: x\r\ncontent-length: 900\r\n\r\n" + b"a" * 10)
-        time.sleep(0.3)
+        # the listener has reserved them (waited for, not slept on: a loaded machine may take a while)
+        deadline = time.monotonic() + 60
+        while front.inflight.used < 900:
+            assert time.monotonic() < deadline, "the listener never started receiving the slow upload"
+            time.sleep(0.01)
         busy = httpx.post(f"{url}/v1/fleet/pull-messages", content=b"b" * 700, timeout=10)
         assert busy.status_code == 503  # Flower's clients retry 503 with back-off
         assert httpx.post(f"{url}/v1/fleet/pull-messages", content=b"c" * 500, timeout=10).status_code == 200
@@ -74,7 +78,7 @@ def test_bytes_in_flight_are_bounded_and_the_excess_is_told_to_retry(limited):
 
 
 def test_a_reply_beyond_its_byte_limit_is_refused_object_by_object(limited):
-    url, _, app = limited
+    url, _, app, _ = limited
     tree = _tree("r" * 64, ["a" * 64, "b" * 64, "c" * 64, "d" * 64])
     assert httpx.post(f"{url}/v1/fleet/push-messages", content=_push_messages([tree])).status_code == 200
     for oid in ("a", "b", "c"):  # 3 x ~810 bytes fit in 2500

@@ -118,8 +118,8 @@ def test_stop_kills_a_process_that_ignores_sigterm(qtbot):
     qtbot.waitUntil(lambda: lines == ["ready"], timeout=20_000)
     t0 = time.monotonic()
     runner.stop(timeout_ms=300)
-    qtbot.waitUntil(lambda: bool(exits), timeout=10_000)
-    assert time.monotonic() - t0 < 5
+    qtbot.waitUntil(lambda: bool(exits), timeout=30_000)
+    assert time.monotonic() - t0 < 30  # killed, not left to its 60 s sleep (bound for a loaded machine)
     assert exits[0][1] is True  # stopped by the user, even though it had to be killed
     assert not runner.running
 
