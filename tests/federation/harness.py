@@ -128,6 +128,27 @@ class LoopbackFederation:
                            self.root / "server.out")
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes (not zombies) whose command line contains ``text`` (Linux /proc)."""
+    import pytest
+
+    proc = Path("/proc")
+    if not (proc / "self" / "cmdline").exists():
+        pytest.skip("needs /proc to look for left-over processes")
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # gone meanwhile
+            continue
+        if text in argv and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
 def max_abs_difference(a_path: Path, b_path: Path) -> float:
     """Largest absolute difference between the global, selector and personalized weights of two super models."""
     from engine.bundle import load_bundle
