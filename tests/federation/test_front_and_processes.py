@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -42,11 +43,13 @@ def test_launcher_watchdog_stops_an_orphan():
     # a parent pid that is not our parent: the watchdog sees "parent gone" and interrupts. The child
     # says when its watchdog is about to run, so the time a loaded machine spends importing is not
     # counted; it says so *before* starting the watchdog, whose interrupt (0.2 s later, or sooner on
-    # a machine that stalls the main thread) could otherwise cut the line short.
-    code = ("import threading, time; from engine.federation.flower.launch import _watch_parent; "
-            "print('watching', flush=True); threading.Thread(target=_watch_parent, args=(1,), daemon=True).start(); "
-            "time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # a machine that stalls the main thread) could otherwise cut the line short. The child starts
+    # with SIGINT ignored, as a background job of a non-interactive shell (a CI runner) does: the
+    # interrupt must still arrive (it did not, before the watchdog restored SIGINT's handler).
+    code = ("import time; from engine.federation.flower.launch import start_parent_watchdog; "
+            "print('watching', flush=True); start_parent_watchdog(1); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     hang_guard = threading.Timer(300, proc.kill)  # bounds a child that never gets as far as 'watching'
     hang_guard.start()
     try:

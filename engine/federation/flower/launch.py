@@ -73,6 +73,18 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+def start_parent_watchdog(parent_pid: int) -> None:
+    """Interrupt this process (SIGINT, then exit after a grace period) once ``parent_pid`` is gone.
+
+    SIGINT is given Python's default handler first: a process started from a background job of a
+    non-interactive shell (``cmd &``, as CI runners and nohup scripts do) inherits SIGINT *ignored*,
+    and the watchdog's interrupt (and the parent's polite stop) would otherwise be lost until the
+    grace period ends. Flower installs its own handlers later; this covers the time before.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watchdog").start()
+
+
 class _CappedTime:
     """``time`` with ``sleep`` capped at ``cap`` seconds."""
 
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     flower_args = argv[split + 1:]
 
     keep_freed_memory()
-    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True, name="parent-watchdog").start()
+    start_parent_watchdog(args.parent_pid)
     if args.component == "superlink":
         # the command's module (the package re-exports its entry function under the same name)
         command = importlib.import_module("flwr.superlink.cli.flower_superlink")
