@@ -149,14 +149,19 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def max_abs_difference(a_path: Path, b_path: Path) -> float:
-    """Largest absolute difference between the global, selector and personalized weights of two super models."""
+def max_abs_difference(a_path: Path, b_path: Path, global_only: bool = False) -> float:
+    """Largest absolute difference between the global, selector and personalized weights of two super models.
+
+    ``global_only``: compare the global models alone (single-model bundles: FedAvg, FedProx, Scaffold).
+    """
     from engine.bundle import load_bundle
 
     a, b = load_bundle(a_path), load_bundle(b_path)
     assert a.metadata.site_names == b.metadata.site_names
-    pairs = [(a.global_weights, b.global_weights), (a.selector_weights, b.selector_weights)]
-    pairs += [(a.personal_weights[s], b.personal_weights[s]) for s in a.metadata.site_names]
+    pairs = [(a.global_weights, b.global_weights)]
+    if not global_only:
+        pairs.append((a.selector_weights, b.selector_weights))
+        pairs += [(a.personal_weights[s], b.personal_weights[s]) for s in a.metadata.site_names]
     worst = 0.0
     for x, y in pairs:
         assert set(x) == set(y)

@@ -198,8 +198,13 @@ def test_site_that_disconnects_mid_round_is_given_up_before_the_timeout(datalist
     assert end["left_out"] == {"site2": "disconnected while the coordinator waited for its answer"}
 
 
-def test_resume_after_a_crash_equals_an_uninterrupted_run(datalists, tmp_path):
-    s = spec("scaffold", rounds=3)  # Scaffold: the sites' private control variates must survive too
+@pytest.mark.parametrize("method, rounds", [
+    ("scaffold", 3),  # Scaffold: the sites' private control variates must survive too
+    ("fedsm", 2),  # FedSM: personalized models, the selector and its optimizer moments, then calibration
+])
+def test_resume_after_a_crash_equals_an_uninterrupted_run(datalists, tmp_path, method, rounds):
+    s = spec(method, rounds=rounds)
+    total = s.total_rounds  # FedSM: + its calibration round
     whole = runner(s, FakeGrid(workers_for(datalists, tmp_path / "a")), tmp_path / "a", []).run(
         FakeGrid(workers_for(datalists, tmp_path / "a")))
     stop_after = {"round": 0}
@@ -216,7 +221,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(datalists, tmp_path):
     events = []
     resumed_grid = FakeGrid(workers_for(datalists, tmp_path / "b"))  # new site processes, same work folders
     resumed = runner(s, resumed_grid, tmp_path / "b", events).run(resumed_grid, checkpoint)
-    assert [e["round"] for e in events if e["event"] == "round_start"] == list(range(checkpoint.round + 1, 4))
+    assert [e["round"] for e in events if e["event"] == "round_start"] == list(range(checkpoint.round + 1, total + 1))
     assert_same_state(resumed, whole)
 
 
