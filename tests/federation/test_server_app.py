@@ -200,7 +200,8 @@ def test_site_that_disconnects_mid_round_is_given_up_before_the_timeout(datalist
 
 @pytest.mark.parametrize("method, rounds", [
     ("scaffold", 3),  # Scaffold: the sites' private control variates must survive too
-    ("fedsm", 2),  # FedSM: personalized models, the selector and its optimizer moments, then calibration
+    # FedSM: personalized models, the selector and its optimizer moments, then calibration (~20 s of CPU)
+    pytest.param("fedsm", 2, marks=pytest.mark.slow),
 ])
 def test_resume_after_a_crash_equals_an_uninterrupted_run(datalists, tmp_path, method, rounds):
     s = spec(method, rounds=rounds)
