@@ -190,3 +190,43 @@ def test_a_pull_is_abandoned_at_once_with_the_reason():
     with pytest.raises(AbandonedTransfer, match="exceeds the limit"):
         pull_objects_promptly(["a", "b"], pull, stall_timeout=60, workers=1, abandon=lambda: next(reasons))
     assert time.monotonic() - started < 5 and calls.count("b") == 3
+
+
+def test_large_bodies_reach_flower_one_at_a_time():
+    """Several uploads are received at once, but handed to Flower one by one (heap fragmentation, issue 16)."""
+    import asyncio
+    import concurrent.futures
+
+    import uvicorn
+
+    class SlowApp(EchoApp):
+        inside = peak = 0
+
+        async def __call__(self, scope, receive, send):
+            SlowApp.inside += 1
+            SlowApp.peak = max(SlowApp.peak, SlowApp.inside)
+            await asyncio.sleep(0.2)
+            SlowApp.inside -= 1
+            await super().__call__(scope, receive, send)
+
+    app = SlowApp()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(FleetOnly(app, max_body=2**20), host="127.0.0.1", port=port,
+                                           lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}/v1/fleet/push-object"
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            large = list(pool.map(lambda k: httpx.post(url, content=b"x" * 200_000, timeout=30).status_code, range(3)))
+        assert large == [200] * 3 and SlowApp.peak == 1
+        SlowApp.peak = 0
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # small requests (polls) are not held up
+            small = list(pool.map(lambda k: httpx.post(url, content=b"x" * 100, timeout=30).status_code, range(3)))
+        assert small == [200] * 3 and SlowApp.peak > 1
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -31,12 +31,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.federation.flower.request_body import App, Receive, Scope, Send, WholeBody, read_body, replaying
+from engine.federation.flower.request_body import (
+    App,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    WholeBody,
+    read_body,
+    replaying,
+)
 from engine.federation.flower.upload_limits import MAX_BODY as UPLOAD_MAX_BODY
 from engine.federation.flower.upload_limits import (
     MAX_INFLIGHT,
@@ -86,6 +96,7 @@ class FleetOnly:
         self.auth = auth  # HeaderAuth: enrolled sites only, decided from the headers (.fleet_auth)
         self.inflight = InflightBudget(max(max_inflight, max_body), max(MAX_INFLIGHT_PER_SITE, max_body))
         self.replies = ReplyBytes(max_reply_bytes)
+        self._large = asyncio.Lock()  # large bodies reach Flower one at a time (see __call__)
         # the coordinator reads this line and gives the reply up at once (upload_limits.RefusedReplies)
         self.replies.on_refused = lambda root, reason: print(f"{REFUSED_REPLY} {root} {reason}", flush=True)
         self._recorded = 0
@@ -135,7 +146,28 @@ class FleetOnly:
             if self.record_dir is not None:
                 self._record(scope["path"], body)
             # the bytes stay counted until Flower has answered: it parses and copies the body
-            await self.app(scope, replaying(body, receive), send)
+            status: list[int] = []
+
+            async def answered(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    status.append(int(message["status"]))
+                await send(message)
+
+            if length > AUTH_ABOVE:
+                # one large body in Flower's hands at a time: handled concurrently, Flower's copies of
+                # several bodies fragment the single-arena heap (memory.py) so that it grows with every
+                # upload (an enrolled site's junk: 136 -> 1303 MiB for 192 bodies 3 at a time; one at
+                # a time: 161 MiB). Receiving stays concurrent; Flower's handling holds the GIL anyway.
+                async with self._large:
+                    await self.app(scope, replaying(body, receive), answered)
+            else:
+                await self.app(scope, replaying(body, receive), answered)
+            if length > AUTH_ABOVE and (not status or status[0] >= 400):
+                # a refused body is held by the error's traceback (a reference cycle), which the
+                # federation processes' sparse collections (memory.freeze_startup_objects) would
+                # free only much later: junk uploads would pile up in the heap
+                del body
+                gc.collect(1)
         finally:
             self.inflight.give(length, sender)
 
