@@ -32,6 +32,7 @@ import torch
 from engine.bundle import load_bundle
 from engine.data.preprocess import resize_images
 from engine.data.site_data import load_site
+from engine.fl.selector_gamma import gamma_from_histogram, own_site_histogram
 from engine.fl.selector_training import TEMPERATURE_GRID, expected_calibration_error
 from engine.inference.predictor import SuperModelPredictor
 from engine.tasks import get_task
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--gammas", type=float, nargs="+", default=[0.6, 0.9])
     parser.add_argument("--quantiles", type=float, nargs="+", default=[0.95, 0.9])
     parser.add_argument("--shrinkage", type=float, default=0.1)
+    parser.add_argument("--pass-fractions", type=float, nargs="+", default=[0.9, 0.95],
+                        help="validation-chosen gamma (--gamma auto): share of validation images that must pass")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -99,6 +102,13 @@ def main() -> None:
             sure = pt.max(1) > g
             print(f"  gamma {g:g}: seen to own site {(sure & (pt.argmax(1) == yt)).mean():.2f}, seen to global "
                   f"{(~sure).mean():.2f}; unseen to global {(pu.max(1) <= g).mean():.2f}")
+        pv = _softmax(zv / t)
+        for q in args.pass_fractions:
+            g = gamma_from_histogram(own_site_histogram(pv, yv)[0], q, len(names))
+            sure = pt.max(1) > g
+            print(f"  gamma auto (pass {q:g} of recognised validation images) = {g:.2f}: seen to own site "
+                  f"{(sure & (pt.argmax(1) == yt)).mean():.2f}, seen to global {(~sure).mean():.2f}; "
+                  f"unseen to global {(pu.max(1) <= g).mean():.2f}")
     for which, label in ((0, "pooled 512-d"), (1, "penultimate 256-d")):
         x, y = stack("train", which)
         mu = np.stack([x[y == k].mean(0) for k in range(len(names))])
