@@ -89,7 +89,7 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
         out["confidence"]["unseen"] = confidence_summary(unseen_scored.probs.max(1))
 
     per_gamma = []
-    for g in gammas:
+    for g in sorted({float(x) for x in gammas} | {float(gamma)}):  # the run's gamma has its row too
         routed = route_fedsm(probs, g)
         row: dict[str, Any] = {"gamma": float(g),
                                "seen": {"global": float((routed == 0).mean()),

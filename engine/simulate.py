@@ -584,7 +584,7 @@ class Simulation:
             "selector_accuracy": held_out_acc,
             **({"selector": self._selector_analysis(predictor)} if method.name == "fedsm" else {}),
             "routing": routing,
-            "gamma": self.cfg.gamma,
+            "gamma": float(predictor.metadata.gamma),  # the federation's choice with --gamma auto
             "lam": self.cfg.lam,
             "val_dice": val_dice,
             "components": {"global_only": {"client_average": glob[1], "pooled": glob[2]},
