@@ -4,6 +4,9 @@ Takes the super model and data of a ``fedsm simulate --holdout-site NAME`` run a
 on the same trained selector, what the field's two post-hoc remedies would give, each computed
 only from statistics a federation can aggregate (no image or per-image feature leaves a site):
 
+- a validation-chosen gamma (``--gamma auto``, :mod:`engine.fl.selector_gamma`): the largest
+  gamma that the given share of the recognised participating validation images pass, without
+  and with temperature scaling;
 - temperature scaling: the temperature minimising the NLL summed over the participating sites'
   validation images (what ``--selector-calibration temperature`` fits from NLL sums per grid
   point);
@@ -18,6 +21,7 @@ Reported per remedy: routing of the participating sites' test images (own site /
 all held-out site images (global), with gamma for the softmax and the quantile for the distance.
 
     python benchmarks/selector_ood.py --run RUN_DIR --data DATA_DIR [--holdout site6] [--gammas 0.6 0.9]
+        [--pass-fractions 0.95]
 """
 
 from __future__ import annotations
@@ -86,13 +90,20 @@ def main() -> None:
     zv, yv = stack("validation", 2)
     zt, yt = stack("test", 2)
     zu = unseen[2]
+    # a run with --selector-calibration temperature folded 1/T into the last layer: undo it, so that
+    # "T=1" below is the trained selector and the fitted T is fitted afresh
+    folded = float(meta.extra.get("selector_temperature", 1.0))
+    zv, zt, zu = zv * folded, zt * folded, zu * folded
 
     def nll(t: float) -> float:
         p = _softmax(zv / t)
         return float(-np.log(p[np.arange(len(yv)), yv] + 1e-300).sum())
 
     t_best = min(TEMPERATURE_GRID, key=nll)
-    print(f"run {args.run} ({meta.task}, held out {holdout}): {len(zt)} seen test images, {len(zu)} unseen images")
+    print(f"run {args.run} ({meta.task}, held out {holdout}): {len(zt)} seen test images, {len(zu)} unseen images"
+          + (f"; the bundle's temperature {folded:g} undone" if folded != 1.0 else "")
+          + (f"; the bundle's gamma {meta.gamma:g} (chosen: {meta.extra['gamma_choice']})"
+             if "gamma_choice" in meta.extra else ""))
     for t in (1.0, t_best):
         pt, pu = _softmax(zt / t), _softmax(zu / t)
         fitted = " (fitted on validation NLL)" if t != 1.0 else ""
