@@ -104,3 +104,16 @@ def test_fedsm_last_round_chooses_gamma_from_site_histograms(tiny_training):
     assert FedSM(FUNDUS, ["a", "b"], tiny_training, gamma=0.4).routing_gamma(new) == 0.4  # fixed gamma ignores it
     with pytest.raises(ConfigError, match="reference selector"):
         FedSM(FUNDUS, ["a", "b"], tiny_training, selector_calibration="lda", gamma_pass=0.9)
+
+
+def test_federation_spec_takes_gamma_auto():
+    from engine.federation.spec import MethodSpec, build_method
+
+    spec = MethodSpec(method="fedsm", task="fundus", site_names=("a", "b"), gamma="auto", gamma_pass=0.9)
+    method = build_method(spec, "cpu")
+    assert method.gamma_pass == 0.9 and method.routing_gamma({}) == 0.6  # before the last round: the fallback
+    assert build_method(MethodSpec(method="fedsm", task="fundus", site_names=("a", "b")), "cpu").gamma_pass is None
+    with pytest.raises(ConfigError, match="auto"):
+        MethodSpec(method="fedsm", task="fundus", site_names=("a", "b"), gamma="often")
+    with pytest.raises(ConfigError, match="pass fraction"):
+        MethodSpec(method="fedsm", task="fundus", site_names=("a", "b"), gamma="auto", gamma_pass=0.0)
