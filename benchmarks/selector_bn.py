@@ -13,7 +13,9 @@ selector four ways, on the participating sites' test images (seen) and all held-
 - ``per-case batch statistics``: each case's images normalised by their own statistics (a
   volume's slices, or a single photo), as in training.
 
-It also prints, per site, eval-mode and train-mode accuracy on every split.
+A temperature folded into the bundle's last layer (``--selector-calibration temperature``) is
+undone first, so every line is the trained selector at T = 1. It also prints, per site,
+eval-mode and train-mode accuracy on every split.
 
     python benchmarks/selector_bn.py --run RUN_DIR --data DATA_DIR [--holdout site6]
 """
@@ -87,6 +89,11 @@ def main() -> None:
     meta = bundle.metadata
     base = SuperModelPredictor(bundle, "cpu").selector.eval()
     folded = float(meta.extra.get("selector_temperature", 1.0))
+    if folded != 1.0:  # --selector-calibration temperature divided the last layer by T: undo it (T = 1 below)
+        last = base.classifier[-1]
+        with torch.no_grad():
+            last.weight.mul_(folded)
+            last.bias.mul_(folded)
     task = get_task(meta.task)
     names = list(meta.site_names)
     sites = {n: load_site(args.data / n / "datalist.json", task, report["config"]["image_size"])
@@ -131,7 +138,7 @@ def main() -> None:
         print(line)
 
     print(f"run {args.run} ({meta.task}, held out {holdout})"
-          + (f"; temperature {folded:g} folded into the last layer is kept" if folded != 1.0 else ""))
+          + (f"; the bundle's temperature {folded:g} undone (T = 1)" if folded != 1.0 else ""))
     score("bundle", base)
     stats = [_site_statistics(base, x_of(sites[n].train.images)) for n in names]
     w = np.array([len(sites[n].train.images) for n in names], dtype=np.float64)
