@@ -102,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
     p.add_argument("--selector-epochs", type=int, default=1,
                    help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
-    p.add_argument("--selector-bn", choices=["running", "batch"], default="batch",
+    p.add_argument("--selector-bn", choices=["running", "batch", "fresh"], default="batch",
                    help="FedSM reference selector's BatchNorm during local training: each batch's statistics "
-                        "as the reference's train mode (default), or the running (federation) statistics")
+                        "as the reference's train mode (default), the running (federation) statistics, or "
+                        "fresh: as batch, with the running statistics re-estimated over each pass")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
