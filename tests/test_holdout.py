@@ -39,6 +39,7 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
     assert choice["images"] == sum(s["validation"]["images"] for s in report["sites"])
     assert sel["gamma"] == fedsm["extra"]["gamma"] == choice["gamma"] == sel["dice"]["gamma"]
     assert choice["gamma"] in [row["gamma"] for row in sel["routing_per_gamma"]]
+    assert f"Gamma chosen by the federation (`--gamma auto`): {choice['gamma']:.2f}" in (out / "report.md").read_text()
     dice = sel["dice"]
     assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only"}
     assert set(sel["guard"]) == {"site1", "site2"}
