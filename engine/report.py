@@ -144,7 +144,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Traffic per site per round", "", "| method | received | sent |", "|---|---|---|"]
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:
-            lines.append(f"| {METHOD_TITLES.get(name, name)} | {_mib(t['received_per_site_round'])} | "
+            title = ("FedSM with VGG-11's classic selector head (computed, not run)"
+                     if name == "fedsm_classic_selector_head" else METHOD_TITLES.get(name, name))
+            lines.append(f"| {title} | {_mib(t['received_per_site_round'])} | "
                          f"{_mib(t['sent_per_site_round'])} |")
     keep = cfg.get("keep_best", False)
     lines += ["", "## Wall time and evaluated round", "",

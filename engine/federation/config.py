@@ -81,7 +81,7 @@ _FEDERATION_KEYS = {"sites", "address", "work_dir", "min_sites", "round_timeout"
                     "keep_checkpoints"}
 _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
-              "runtime_port", "share_activations"}
+              "runtime_port", "share_activations", "allow_outside", "tolerate_orientation"}
 _SECURITY_KEYS = {"ca_cert", "private_key", "approved_apps"}
 _PRIVACY_KEYS = {"noise_multiplier", "epsilon", "clip_norm", "delta"}
 
@@ -285,6 +285,12 @@ class SiteConfig:
     #: The operator agreed that split-learning methods (BlackFed) may send activations of this
     #: site's images and their masks to the coordinator ([site] share_activations = true).
     share_activations: bool = False
+    #: The site's datalist may name files outside its own folder ([site] allow_outside = true; the
+    #: CLI's ``--allow-outside``). Off by default: a datalist cannot make the site read other files.
+    allow_outside: bool = False
+    #: Masks on the image's voxel grid whose orientation header differs by up to this many degrees
+    #: are accepted ([site] tolerate_orientation; the CLI's ``--tolerate-orientation``).
+    tolerate_orientation: float = 0.0
     #: the ``[bounds]`` table as written (checked by :meth:`engine.security.run_spec.SiteBounds.from_dict`)
     bounds: dict[str, Any] = field(default_factory=dict)
     #: The operator's privacy setting (``[privacy]``); ``None`` = none given (no noise).
@@ -299,7 +305,8 @@ class SiteConfig:
             "private_key": str(self.private_key) if self.private_key else None,
             "approved_apps": list(self.approved_apps), "device": self.device, "threads": self.threads,
             "poll_interval": self.poll_interval, "runtime_port": self.runtime_port,
-            "share_activations": self.share_activations,
+            "share_activations": self.share_activations, "allow_outside": self.allow_outside,
+            "tolerate_orientation": self.tolerate_orientation,
             "privacy": None if self.privacy is None else {
                 "noise_multiplier": self.privacy.noise_multiplier, "epsilon": self.privacy.epsilon,
                 "clip_norm": self.privacy.clip_norm, "delta": self.privacy.delta},
@@ -367,12 +374,24 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         poll_interval=_positive(float(_get(site, "poll_interval", (int, float), where, 0.2)), "poll_interval", where),
         runtime_port=_port(_get(site, "runtime_port", int, where, 0), "runtime_port", where),
         share_activations=_get(site, "share_activations", bool, where, False),
+        allow_outside=_get(site, "allow_outside", bool, where, False),
+        tolerate_orientation=_tolerance(_get(site, "tolerate_orientation", (int, float), where, 0.0), where),
         bounds=dict(bounds),
         privacy=_privacy(doc, path),
     )
     if check_files:
         check_site_files(cfg, secure=True)
     return cfg
+
+
+def _tolerance(value: float, where: str) -> float:
+    """``[site] tolerate_orientation`` checked as ``--tolerate-orientation`` is (degrees in [0, max])."""
+    from engine.io.masks import MAX_TOLERATED_DEG
+
+    if isinstance(value, bool) or not 0 <= float(value) <= MAX_TOLERATED_DEG:
+        raise ConfigError(f"{where}: tolerate_orientation = {value!r} must be a number of degrees in "
+                          f"[0, {MAX_TOLERATED_DEG:g}] (0 = masks must match the image's orientation)")
+    return float(value)
 
 
 def _privacy(doc: dict[str, Any], path: Path) -> PrivacySetting | None:

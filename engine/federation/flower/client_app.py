@@ -79,14 +79,17 @@ class SiteWorker:
     # --- pieces ------------------------------------------------------------------------
     def data(self, task: str, image_size: int, fundus_crop: str = "none") -> SiteData:
         """The site's data at ``image_size`` (loaded once, through the same path as training and inference)."""
+        from engine.data.datalist import outside_paths_allowed
         from engine.data.site_data import load_site
         from engine.tasks import get_task
 
         key = (task, image_size, fundus_crop)
         if key not in self._data:
             self.events.status(f"loading {self.cfg.datalist.name} at {image_size} px")
-            self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name,
-                                        fundus_crop=fundus_crop)
+            # the datalist's containment as the operator set it ([site] allow_outside; off by default)
+            with outside_paths_allowed(self.cfg.allow_outside):
+                self._data[key] = load_site(self.cfg.datalist, get_task(task), image_size, name=self.cfg.name,
+                                            fundus_crop=fundus_crop)
         return self._data[key]
 
     def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:

@@ -191,6 +191,17 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     return summary
 
 
+def lost_superlink(exc: Exception, superlink: Any, cfg: Any, waited: float) -> FedSMError:
+    """The coordinator's one-line error when its own SuperLink stopped answering mid-run."""
+    if not superlink.running():
+        cause = f"its SuperLink process ended (see {cfg.work_dir / 'superlink.log'})"
+    else:
+        cause = (f"its SuperLink did not answer for {waited:.0f} s ({type(exc).__name__}); the machine may be "
+                 "overloaded")
+    return FedSMError(f"the coordinator lost contact with its own SuperLink: {cause}. Completed rounds are saved in "
+                      f"{cfg.work_dir / CHECKPOINT}; run the same 'fedsm server' command with --resume to continue")
+
+
 def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = False, resume: bool = False,
                stop: Callable[[], bool] | None = None,
                record_fleet: Path | None = None) -> dict[str, Any]:
@@ -208,6 +219,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         Folder where every request sites send is written (tests, audits; see
         :func:`engine.federation.flower.fleet_listener.read_recorded`).
     """
+    import httpx
     from flwr.common.serde import context_from_proto, run_from_proto
     from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
     from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
@@ -303,6 +315,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         grid.local_secret = secret
         grid.pull_timeout = min(cfg.round_timeout, 60.0)
         grid.cancel = stop
+        grid.superlink_alive = superlink.running
         grid.set_run(run)
         settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,
                                  cfg.poll_interval, cfg.rejoin_wait)
@@ -316,7 +329,10 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         runner.keep_checkpoints = cfg.keep_checkpoints
         runner.set_robust(cfg.robust)
         result: dict[str, Any] = {}
-        build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
+        try:
+            build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
+        except httpx.TransportError as exc:
+            raise lost_superlink(exc, superlink, cfg, grid.give_up_after) from None
         summary = write_results(cfg, method, result["state"], runner.history, session, app.hash,
                                 result.get("site_dice"))
         status, details = "completed", ""

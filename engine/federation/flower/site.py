@@ -319,9 +319,11 @@ ONCE_GRACE_S = 30.0
 
 def _preflight(cfg: SiteConfig, insecure: bool) -> None:
     """Datalist, certificates and the fixed runtime port checked before joining (engine.federation.preflight)."""
+    from engine.data.datalist import outside_paths_allowed
     from engine.federation.preflight import check_port_free, check_site_certificates, check_site_datalist
 
-    check_site_datalist(cfg.datalist, cfg.task, str(cfg.path))
+    with outside_paths_allowed(cfg.allow_outside):
+        check_site_datalist(cfg.datalist, cfg.task, str(cfg.path))
     if not insecure:
         check_site_certificates(cfg.ca_cert, cfg.private_key, str(cfg.path))
     if cfg.runtime_port:
@@ -343,6 +345,9 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_insecure_allowed(cfg, insecure)
     check_site_files(cfg, secure=not insecure)
+    from engine.io.masks import set_orientation_tolerance
+
+    set_orientation_tolerance(cfg.tolerate_orientation)  # process-wide: the ClientApp runs in this process
     _preflight(cfg, insecure)
     if not cfg.approved_apps:
         events.status("approved_apps in site.toml is empty: this site will refuse every app; add the hash the "

@@ -158,6 +158,10 @@ def release_task_message(client: Any, task: TaskHeader) -> None:
                                               task.context.run_id)(task.tree.object_id)
 
 
+#: Default seconds a coordinator retries a request its SuperLink (still running) does not answer.
+GIVE_UP_AFTER_S = 300.0
+
+
 class PromptHttpGrid(HttpGrid):
     """Flower's ``HttpGrid`` whose ``pull_messages`` retries missing objects promptly.
 
@@ -170,11 +174,33 @@ class PromptHttpGrid(HttpGrid):
     #: the SuperLink's loopback secret (:mod:`.local_auth`), added to every request
     local_secret: str | None = None
 
+    #: ``False`` once the SuperLink process has died (set by the coordinator): retries stop at once
+    superlink_alive: Callable[[], bool] | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Flower retries a failed request forever; a coordinator whose SuperLink died must
-        # give up (and exit) instead of hanging in a retry loop
-        self._retry_invoker.max_time = 60.0
+        # Flower retries a failed request forever; a coordinator whose SuperLink died must give up
+        # (and exit) instead of hanging in a retry loop. A SuperLink that is alive but slow (a
+        # loaded machine: each request has Flower's fixed 30-s timeout) gets up to give_up_after.
+        self.give_up_after = GIVE_UP_AFTER_S
+        invoker = self._retry_invoker
+        flower_giveup = invoker.should_giveup
+
+        def should_giveup(exc: Exception) -> bool:
+            if self.superlink_alive is not None and not self.superlink_alive():
+                return True
+            return bool(flower_giveup(exc)) if flower_giveup is not None else False
+
+        invoker.should_giveup = should_giveup
+
+    @property
+    def give_up_after(self) -> float:
+        """Seconds the grid keeps retrying a request its (living) SuperLink does not answer."""
+        return float(self._retry_invoker.max_time)
+
+    @give_up_after.setter
+    def give_up_after(self, seconds: float) -> None:
+        self._retry_invoker.max_time = float(seconds)
 
     def _connect(self) -> None:
         from engine.federation.flower.local_auth import interceptors
