@@ -267,16 +267,31 @@ def describe_device(device: str = "auto") -> dict[str, Any]:
     return describe(device)
 
 
-def site_command(config: Path, json_events: bool = True) -> list[str]:
+def site_command(config: Path, json_events: bool = True, confirm_runs: bool = False) -> list[str]:
     """The command line that runs one federation site (``fedsm site``), e.g. for ``QProcess``.
 
     The site runs as its own process because Flower's SuperNode installs signal handlers; with
     ``json_events`` its stdout is one JSON event per line (see ``engine.federation.events``).
+    With ``confirm_runs`` the site waits, before training for a new run, for
+    :data:`RUN_ACCEPT` (or :data:`RUN_DECLINE`) on its standard input
+    (:mod:`engine.security.run_review`).
     """
     import sys
 
     argv = [sys.executable, "-m", "engine.cli.main", "site", "--config", str(Path(config))]
-    return [*argv, "--json"] if json_events else argv
+    argv += ["--json"] if json_events else []
+    return [*argv, "--confirm-runs"] if confirm_runs else argv
+
+
+#: Lines a ``confirm_runs`` site reads on its standard input.
+RUN_ACCEPT, RUN_DECLINE = "accept", "decline"
+
+
+def review_run_settings(settings: dict[str, Any], bounds: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows ``{"setting", "value", "bound", "ok"}``: a ``run_settings`` event's settings against the site's bounds."""
+    from engine.security.run_review import review_rows
+
+    return review_rows(settings, bounds)
 
 
 def read_site_config(path: Path) -> dict[str, Any]:

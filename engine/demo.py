@@ -205,7 +205,7 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
     from engine.threads import use_free_cores
 
     threads = use_free_cores()
-    total_rounds = cfg.rounds + 1  # FedSM adds one selector calibration round after the training rounds
+    total_rounds = cfg.rounds + 1  # FedSM adds one validation and calibration round after the training rounds
     site_names = [f"site{k + 1}" for k in range(cfg.sites)]
 
     def relay(event: dict[str, Any]) -> None:

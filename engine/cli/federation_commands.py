@@ -100,8 +100,13 @@ def _site(args: argparse.Namespace) -> int:
     setup_logging(args.verbose, cfg.work_dir / "site.log")
     stop = StopFlag()
     with _events(args, "site", cfg.name, cfg.work_dir / "events.jsonl") as events:
+        confirm = None
+        if getattr(args, "confirm_runs", False):
+            from engine.security.run_review import stdin_confirmation
+
+            confirm = stdin_confirmation()
         return run_site(cfg, insecure=args.insecure, events=events, once=args.once, validate=not args.no_validate,
-                        stop=stop)
+                        stop=stop, confirm=confirm)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -176,6 +181,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="write progress events to stdout as JSON lines")
     p.add_argument("--once", action="store_true", help="exit when the coordinator's run has finished")
     p.add_argument("--no-validate", action="store_true", help="skip the validation Dice after each round")
+    p.add_argument("--confirm-runs", action="store_true",
+                   help="before training for a new run, wait for 'accept' on standard input (anything else "
+                        "declines); the run's signed settings are shown in a run_settings event first")
     p.set_defaults(handler=_site)
 
     p = sub.add_parser("certs", help="create the federation CA, the coordinator certificate or a site's key pair")

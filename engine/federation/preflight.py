@@ -10,7 +10,7 @@ whose message names the file or address and what to do; the CLI prints it as one
   private key parses.
 - :func:`check_site_datalist`: the datalist follows the specification, is for the site's task, has
   training entries, and every file it names exists.
-- :func:`round_banner`: "3 rounds (+1 selector calibration round)": the count a person asked for.
+- :func:`round_banner`: "3 rounds (+1 validation and calibration round)": the count a person asked for.
 """
 
 from __future__ import annotations
@@ -130,7 +130,12 @@ def check_site_datalist(datalist: Path, task: str, where: str) -> dict[str, int]
 
 
 def round_banner(method: Any) -> str:
-    """The rounds a run trains, with extra phases named: ``"3 rounds (+1 selector calibration round)"``."""
+    """The rounds a run trains, with extra phases named: ``"3 rounds (+1 validation and calibration round)"``.
+
+    FedSM's last round trains nothing: each site measures the global and its personalized model
+    on its validation data (the routing guard's evidence) and, with a calibration scheme, sends
+    the selector's calibration statistics.
+    """
     rounds = int(getattr(method, "rounds", method.total_rounds))
     extra = int(method.total_rounds) - rounds
     text = f"{rounds} round{'s' if rounds != 1 else ''}"
@@ -145,7 +150,7 @@ def round_banner(method: Any) -> str:
     if selector:
         parts.append(f"+{selector} selector round{'s' if selector != 1 else ''}")
     if extra - selector > 0:
-        parts.append(f"+{extra - selector} selector calibration round{'s' if extra - selector != 1 else ''}")
+        parts.append(f"+{extra - selector} validation and calibration round{'s' if extra - selector != 1 else ''}")
     return f"{text} ({', '.join(parts)})"
 
 

@@ -175,6 +175,20 @@ class UpdateScreen:
             return min(int(self.first_count[site] * s.num_examples_growth), s.max_num_examples)
         return s.max_num_examples
 
+    def check_count(self, site: str, count: object, what: str = "update", allow_zero: bool = False) -> None:
+        """:class:`UpdateRejected` unless ``count`` (a reply's ``num_examples``) is within ``site``'s bound.
+
+        Dialogue methods (:mod:`engine.federation.flower.dialogue`) check every reply with it;
+        the first positive count of a site becomes its bound when none was declared.
+        """
+        bound = self.count_bound(site)
+        low = 0 if allow_zero else 1
+        if isinstance(count, bool) or not isinstance(count, int) or not low <= count <= bound:
+            raise UpdateRejected(f"{what} from {site} claims {count} training samples, more than the "
+                                 f"{bound} allowed for it ([robust] num_examples / max_num_examples)")
+        if count > 0:
+            self.first_count.setdefault(site, count)
+
     def screen(self, method: FederatedMethod, state: WeightSet, site: str, update: SiteUpdate) -> SiteUpdate:
         """The update to aggregate (itself or a clipped copy); :class:`UpdateRejected` if it breaks a bound."""
         s = self.settings

@@ -14,6 +14,7 @@ from typing import Any
 from fedsm_gui.controllers.errors import user_message
 from fedsm_gui.controllers.runners import ProcessRunner, TaskRunner
 from fedsm_gui.models.federation import (
+    CONFIRM,
     LEDGER,
     LOG,
     METRICS,
@@ -159,6 +160,7 @@ class FederationController:
         view.join_requested.connect(self.join)
         view.leave_requested.connect(self.leave)
         view.app_hash_requested.connect(self.show_app_hash)
+        view.run_confirmation_answered.connect(self.answer_run_confirmation)
         self._push_setup()
         self._on_changed({STATUS, PROGRESS, METRICS, LEDGER, LOG})
 
@@ -235,7 +237,9 @@ class FederationController:
     def command(self) -> list[str]:
         """The site process's command line."""
         if not self.demo:
-            return list(self.api.site_command(Path(self.state.setup.config_path), json_events=True))
+            # the site waits for the operator to accept each new run's signed settings (ask_run_confirmation)
+            return list(self.api.site_command(Path(self.state.setup.config_path), json_events=True,
+                                              confirm_runs=True))
         workdir = self.demo_workdir or Path.home() / ".cache" / "fedsm" / "demo-site"
         site = self.state.setup.site_name or "site1"
         return list(self.api.demo_site_command(workdir, site=site, rounds=self.demo_rounds))
@@ -266,9 +270,23 @@ class FederationController:
             self.state.note("Leave pressed: asking the site process to stop (killed if it has not exited in 5 s)")
             self.process.stop()
 
+    def answer_run_confirmation(self, accepted: bool) -> None:
+        """The operator accepted or declined the run's settings: tell the waiting site process."""
+        pending = self.state.awaiting_confirmation
+        if pending is None:
+            return
+        self.state.awaiting_confirmation = None
+        self.process.write_line(self.api.RUN_ACCEPT if accepted else self.api.RUN_DECLINE)
+        method = pending["settings"].get("method", "?")
+        self.state.note(f"run settings ({method}) {'accepted' if accepted else 'declined'} by the operator")
+
     # --- state -> view -------------------------------------------------------------------
     def _on_changed(self, parts: set[str]) -> None:
         s = self.state
+        if CONFIRM in parts and s.awaiting_confirmation is not None:
+            pending = s.awaiting_confirmation
+            self.view.ask_run_confirmation(self.api.format_run_settings(pending["settings"]),
+                                           self.api.review_run_settings(pending["settings"], pending["bounds"]))
         if STATUS in parts:
             text = _STATUS_TEXT.get(s.status, s.status)
             if s.coordinator and s.status == "connected":

@@ -42,6 +42,9 @@ class ProcessRunner(Protocol):
     def stop(self, timeout_ms: int = 5000) -> None:
         """Ask the process to terminate; kill it when it has not exited after ``timeout_ms``."""
 
+    def write_line(self, text: str) -> None:
+        """Send ``text`` and a newline to the process's standard input."""
+
     @property
     def running(self) -> bool:
         """Whether the process is alive."""

@@ -20,6 +20,8 @@ IDLE, STARTING, CONNECTED, RECONNECTING, DISCONNECTED, FINISHED, FAILED, STOPPED
     "idle", "starting", "connected", "reconnecting", "disconnected", "finished", "failed", "stopped")
 #: Parts of the state an event can change.
 STATUS, PROGRESS, METRICS, LEDGER, LOG = "status", "progress", "metrics", "ledger", "log"
+#: A run's settings wait for the operator's Accept or Decline (``run_settings`` with ``confirm``).
+CONFIRM = "confirm"
 MAX_LOG_LINES = 5000
 
 
@@ -145,6 +147,8 @@ class FederationState:
         """Forget everything about the previous run (a new Join)."""
         self.status = IDLE
         self.run_settings: dict[str, Any] = {}
+        #: ``{"settings", "bounds"}`` of a run the site waits to have confirmed, else ``None``
+        self.awaiting_confirmation: dict[str, Any] | None = None
         self.coordinator = ""
         self.site = ""
         self.method = ""
@@ -271,6 +275,10 @@ class FederationState:
             self.run_settings = dict(event.get("settings", {}))
             self.method = str(self.run_settings.get("method", self.method) or self.method)
             parts.add(STATUS)
+            if event.get("confirm"):  # the site trains for this run only once the operator accepts
+                self.awaiting_confirmation = {"settings": self.run_settings,
+                                              "bounds": dict(event.get("bounds", {}) or {})}
+                parts.add(CONFIRM)
         elif kind == "finished":
             self.status = FINISHED
             self.rounds = int(event.get("rounds", self.rounds) or self.rounds)

@@ -156,6 +156,7 @@ class FederationView:
     check_data_requested = Intent()
     join_requested = Intent()
     leave_requested = Intent()
+    run_confirmation_answered = Intent("accepted: bool")
 
     def set_setup(self, setup: Any, demo: bool) -> None:
         """Form fields; ``demo`` says Join starts the simulated demo site."""
@@ -163,6 +164,13 @@ class FederationView:
 
     def set_status(self, status: str, text: str, running: bool) -> None:
         """Connection state, a one-line summary and whether Leave (vs Join) is enabled."""
+        raise NotImplementedError
+
+    def ask_run_confirmation(self, summary: str, rows: Sequence[dict[str, Any]]) -> None:
+        """Show a run's signed settings (``rows``: setting, value, bound, ok) for Accept / Decline.
+
+        The answer comes back as ``run_confirmation_answered(accepted)``.
+        """
         raise NotImplementedError
 
     def set_progress(self, round_: int, rounds: int, batch: int, batches: int) -> None:

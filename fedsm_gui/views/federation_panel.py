@@ -64,9 +64,11 @@ class FederationPanel(QWidget):
     check_data_requested = Signal()
     join_requested = Signal()
     leave_requested = Signal()
+    run_confirmation_answered = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self.run_dialog: Any = None  # the open RunSettingsDialog, if any
         # --- setup
         setup = QGroupBox("Site setup")
         form = QFormLayout(setup)
@@ -274,6 +276,19 @@ class FederationPanel(QWidget):
                                     "(synthetic data, nothing leaves this computer).")
         else:
             self.mode_label.setText(f"Join runs the site with {setup.config_path}")
+
+    def ask_run_confirmation(self, summary: str, rows: Sequence[dict[str, Any]]) -> None:
+        """Open the run's settings for Accept / Decline (window-modal, so the app keeps running)."""
+        from fedsm_gui.views.run_settings_dialog import RunSettingsDialog
+
+        if self.run_dialog is not None:  # superseded: closed without answering for the new run
+            self.run_dialog.finished.disconnect()
+            self.run_dialog.close()
+        dialog = RunSettingsDialog(summary, rows, self)
+        dialog.finished.connect(
+            lambda result: self.run_confirmation_answered.emit(result == RunSettingsDialog.DialogCode.Accepted))
+        self.run_dialog = dialog
+        dialog.open()
 
     def set_status(self, status: str, text: str, running: bool) -> None:
         colour = _STATUS_COLOURS.get(status, "#888")

@@ -59,6 +59,11 @@ class QtProcessRunner(QObject):
         self.process.terminate()
         self._kill_timer.start(timeout_ms)
 
+    def write_line(self, text: str) -> None:
+        """Send ``text`` and a newline to the process's standard input (ignored when none runs)."""
+        if self.running and self.process is not None:
+            self.process.write((text + "\n").encode("utf-8"))
+
     def wait(self, timeout_ms: int) -> bool:
         """Block until the process has exited (tests and app shutdown only)."""
         if self.process is None:

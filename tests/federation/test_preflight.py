@@ -123,9 +123,10 @@ def test_once_watch_counts_a_coordinator_gone_only_after_it_was_seen():
 
 
 def test_round_banner_excludes_the_calibration_round():
-    assert round_banner(SimpleNamespace(rounds=40, total_rounds=41)) == "40 rounds (+1 selector calibration round)"
+    plain = SimpleNamespace(rounds=40, total_rounds=41)
+    assert round_banner(plain) == "40 rounds (+1 validation and calibration round)"
     assert round_banner(SimpleNamespace(rounds=3, total_rounds=3)) == "3 rounds"
     warm = SimpleNamespace(rounds=4, total_rounds=35, selector_warmup=30)
-    assert round_banner(warm) == "4 rounds (+30 selector warm-up rounds, +1 selector calibration round)"
+    assert round_banner(warm) == "4 rounds (+30 selector warm-up rounds, +1 validation and calibration round)"
     extra = SimpleNamespace(rounds=3, extra_rounds=2, total_rounds=6)
-    assert round_banner(extra) == "3 rounds (+2 selector rounds, +1 selector calibration round)"
+    assert round_banner(extra) == "3 rounds (+2 selector rounds, +1 validation and calibration round)"

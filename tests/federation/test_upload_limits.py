@@ -138,3 +138,95 @@ def test_header_auth_accepts_only_enrolled_signed_requests(pki):  # noqa: F811
     assert not auth.allowed(scope("site1", tamper=True))  # the signature does not cover this timestamp
     assert not auth.allowed(scope("site1", when=dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)))  # replayed
     assert not auth.allowed({"headers": []})
+
+
+def test_one_site_holds_at_most_its_share_of_the_budget_until_flower_has_answered():
+    from engine.federation.flower.upload_limits import InflightBudget
+
+    budget = InflightBudget(limit=100, per_sender=40)
+    assert budget.take(30, b"site1") and not budget.take(30, b"site1")  # site1's share is full
+    assert budget.take(30, b"site2") and budget.take(30)  # the others still get through
+    assert not budget.take(30, b"site3")  # the whole budget is full
+    budget.give(30, b"site1")
+    budget.give(30)
+    assert budget.take(50, b"site1")  # with nothing in flight, one request beyond its share (within the budget)
+    assert not budget.take(1, b"site1")
+    budget.give(50, b"site1")
+    assert budget.used == 30 and budget.take(40, b"site1")
+
+
+def test_a_refused_reply_is_reported_once_and_given_up_by_the_coordinator():
+    from engine.federation.flower.upload_limits import REFUSED_REPLY, RefusedReplies
+
+    counter = ReplyBytes(max_reply_bytes=1500)
+    lines: list[str] = []
+    counter.on_refused = lambda root, reason: lines.append(f"{REFUSED_REPLY} {root} {reason}")
+    counter.messages_pushed(_push_messages([_tree("r" * 64, ["a" * 64, "b" * 64])]))
+    assert counter.object_pushed(_push_object("a" * 64, 740)) is None
+    for _ in range(2):  # every later object of the reply is refused too, reported once
+        assert "exceeds the coordinator's limit of 1500 bytes" in counter.object_pushed(_push_object("b" * 64, 740))
+    assert len(lines) == 1
+    refused = RefusedReplies()
+    assert not refused.on_line("INFO: something else") and refused.reason("r" * 64) is None
+    assert refused.on_line("12:00:00.000 " + lines[0])  # as the SuperLink's log line reaches the coordinator
+    assert "exceeds the coordinator's limit of 1500 bytes" in refused.reason("r" * 64)
+
+
+def test_a_pull_is_abandoned_at_once_with_the_reason():
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    from engine.federation.flower.transfer import AbandonedTransfer, pull_objects_promptly
+
+    calls = []
+
+    def pull(object_id):
+        calls.append(object_id)
+        if object_id == "b":
+            raise ObjectUnavailableError(object_id)
+        return b"x"
+
+    reasons = iter([None, None, "the reply exceeds the limit"])
+    started = time.monotonic()
+    with pytest.raises(AbandonedTransfer, match="exceeds the limit"):
+        pull_objects_promptly(["a", "b"], pull, stall_timeout=60, workers=1, abandon=lambda: next(reasons))
+    assert time.monotonic() - started < 5 and calls.count("b") == 3
+
+
+def test_large_bodies_reach_flower_one_at_a_time():
+    """Several uploads are received at once, but handed to Flower one by one (heap fragmentation, issue 16)."""
+    import asyncio
+    import concurrent.futures
+
+    import uvicorn
+
+    class SlowApp(EchoApp):
+        inside = peak = 0
+
+        async def __call__(self, scope, receive, send):
+            SlowApp.inside += 1
+            SlowApp.peak = max(SlowApp.peak, SlowApp.inside)
+            await asyncio.sleep(0.2)
+            SlowApp.inside -= 1
+            await super().__call__(scope, receive, send)
+
+    app = SlowApp()
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(FleetOnly(app, max_body=2**20), host="127.0.0.1", port=port,
+                                           lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive()
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}/v1/fleet/push-object"
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            large = list(pool.map(lambda k: httpx.post(url, content=b"x" * 200_000, timeout=30).status_code, range(3)))
+        assert large == [200] * 3 and SlowApp.peak == 1
+        SlowApp.peak = 0
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # small requests (polls) are not held up
+            small = list(pool.map(lambda k: httpx.post(url, content=b"x" * 100, timeout=30).status_code, range(3)))
+        assert small == [200] * 3 and SlowApp.peak > 1
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

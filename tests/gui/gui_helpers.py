@@ -82,6 +82,7 @@ class FakeProcess:
         self.on_exit: Callable[[int, bool], None] | None = None
         self.stopped = False
         self._running = False
+        self.written: list[str] = []  # lines sent to the process's standard input
 
     @property
     def running(self) -> bool:
@@ -94,6 +95,9 @@ class FakeProcess:
     def stop(self, timeout_ms: int = 5000) -> None:
         self.stopped = True
         self.exit(0, True)
+
+    def write_line(self, text: str) -> None:
+        self.written.append(text)
 
     def exit(self, code: int, stopped: bool = False) -> None:
         self._running = False

@@ -379,7 +379,7 @@ def test_federation_controller_uses_a_site_config_when_loaded(tmp_path):
     assert (setup.site_name, setup.site_key, setup.app_hash) == ("hospital-a", "/d/site.key", "ab" * 32)
     assert t.view.set_setup.call_args.args[1] is False  # not the demo any more
     t.ctrl.join()
-    api.site_command.assert_called_once_with(tmp_path / "site.toml", json_events=True)
+    api.site_command.assert_called_once_with(tmp_path / "site.toml", json_events=True, confirm_runs=True)
     t.process.exit(1)
     assert t.state.status == "failed"
     t.ctrl.check_data()

@@ -177,10 +177,12 @@ class DialogueRunner(FederationRunner):
         counts: dict[str, int] = {}
         bytes_to: dict[str, int] = {}
         bytes_from: dict[str, int] = {}
+        before = state
         dialogue = self.method.dialogue(state, rnd)
         exchange_id = 0
+        answers: dict[str, Reply | Failure] = {}
         try:
-            requests = next(dialogue)
+            requests = _advance(dialogue, None)
             while True:
                 self._check_cancel()
                 answers: dict[str, Reply | Failure] = {}
@@ -213,9 +215,16 @@ class DialogueRunner(FederationRunner):
                     answers[site] = self._decode(message, sent[site], site, rnd, ids[site], left_out)
                     if not isinstance(answers[site], Failure):
                         bytes_from[site] = bytes_from.get(site, 0) + tensor_bytes(answers[site].tensors)
-                requests = dialogue.send(answers)
+                requests = _advance(dialogue, answers)
         except StopIteration as stop:
             state = stop.value
+            broken = _not_finite(state)
+            if broken is not None:  # e.g. finite but huge activations that the server net cannot absorb
+                state = self._discard_round(rnd, before, f"its result holds NaN or Inf ({broken})", counts, left_out)
+        except DialogueFailed as exc:
+            # the method could not go on with what the sites answered: the round is discarded, never the run
+            suspects = sorted(site for site, a in answers.items() if not isinstance(a, Failure))
+            state = self._discard_round(rnd, before, str(exc), suspects or counts, left_out)
         wall_s = time.monotonic() - started
         answered = sorted(s for s in counts if s not in left_out)
         record = {"round": rnd, "answered": answered, "left_out": left_out, "wall_s": round(wall_s, 3),
@@ -227,6 +236,16 @@ class DialogueRunner(FederationRunner):
         self.events.emit("round_end", round=rnd, rounds=total, method=self.method.name, wall_s=round(wall_s, 3),
                          answered=answered, left_out=left_out, exchanges=counts)
         return state
+
+    def _discard_round(self, rnd: int, before: WeightSet, reason: str, sites: Any,
+                       left_out: dict[str, str]) -> WeightSet:
+        """Keep the state from before round ``rnd``; leave ``sites`` out with ``reason`` (``error`` events)."""
+        message = f"round {rnd} is discarded and the model kept as it was before it: {reason}"
+        log.warning(message)
+        for site in sorted(sites):
+            left_out[site] = message
+            self.events.error(message, site=site, round=rnd)
+        return before
 
     def _message(self, content: RecordDict, node: int, rnd: int) -> Message:
         from flwr.app import Message
@@ -244,12 +263,46 @@ class DialogueRunner(FederationRunner):
             try:
                 reply = decode_reply(message.content, site, rnd, exchange_id)
                 self.method.validate_reply(request, site, reply)
+                self.screen.check_count(site, reply.num_samples, "answer", allow_zero=True)  # engine.fl.robust
                 return reply
             except (FedSMError, WeightsError) as exc:
                 reason = f"answer rejected: {exc}"
+            except Exception as exc:  # whatever a site sends, the coordinator goes on
+                reason = f"answer rejected: it does not decode ({type(exc).__name__}: {exc})"
         left_out[site] = reason
         self.events.error(reason, site=site, round=rnd)
         return Failure(reason)
+
+
+class DialogueFailed(FedSMError):
+    """The method's dialogue raised while taking the sites' answers (or starting the round)."""
+
+
+def _advance(dialogue: Any, answers: Any) -> Any:
+    """The dialogue's next requests; :class:`DialogueFailed` for any error of the method's own code.
+
+    ``StopIteration`` (the round's result) and :class:`CancelledError` pass through unchanged.
+    """
+    try:
+        return next(dialogue) if answers is None else dialogue.send(answers)
+    except (StopIteration, CancelledError):
+        raise
+    except Exception as exc:
+        raise DialogueFailed(f"the {type(exc).__name__} of the method on the sites' answers: {exc}") from exc
+
+
+def _not_finite(state: Any) -> str | None:
+    """The first tensor of ``state`` (``{part: {name: tensor}}``) holding NaN or Inf, as ``part/name``."""
+    import torch
+
+    for part, tensors in state.items():
+        if not isinstance(tensors, dict):
+            continue
+        for name, tensor in tensors.items():
+            if isinstance(tensor, torch.Tensor) and tensor.dtype.is_floating_point and \
+                    not bool(torch.isfinite(tensor).all()):
+                return f"{part}/{name}"
+    return None
 
 
 # --- site ------------------------------------------------------------------------------------

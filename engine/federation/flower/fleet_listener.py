@@ -31,14 +31,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.federation.flower.request_body import App, Receive, Scope, Send, WholeBody, read_body, replaying
+from engine.federation.flower.request_body import (
+    App,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    WholeBody,
+    read_body,
+    replaying,
+)
 from engine.federation.flower.upload_limits import MAX_BODY as UPLOAD_MAX_BODY
-from engine.federation.flower.upload_limits import MAX_INFLIGHT, InflightBudget, ReplyBytes
+from engine.federation.flower.upload_limits import (
+    MAX_INFLIGHT,
+    MAX_INFLIGHT_PER_SITE,
+    REFUSED_REPLY,
+    InflightBudget,
+    ReplyBytes,
+)
 
 FLEET_PREFIX = "/v1/fleet/"
 #: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41, plus framing (upload_limits).
@@ -78,8 +94,11 @@ class FleetOnly:
                  max_reply_bytes: int | None = None, auth: Any = None) -> None:
         self.app, self.max_body, self.record_dir = app, max_body, record_dir
         self.auth = auth  # HeaderAuth: enrolled sites only, decided from the headers (.fleet_auth)
-        self.inflight = InflightBudget(max(max_inflight, max_body))
+        self.inflight = InflightBudget(max(max_inflight, max_body), max(MAX_INFLIGHT_PER_SITE, max_body))
         self.replies = ReplyBytes(max_reply_bytes)
+        self._large = asyncio.Lock()  # large bodies reach Flower one at a time (see __call__)
+        # the coordinator reads this line and gives the reply up at once (upload_limits.RefusedReplies)
+        self.replies.on_refused = lambda root, reason: print(f"{REFUSED_REPLY} {root} {reason}", flush=True)
         self._recorded = 0
         if record_dir is not None:
             record_dir.mkdir(parents=True, exist_ok=True)
@@ -101,30 +120,56 @@ class FleetOnly:
             await _answer(send, 413, b"request body too large\n")
             return
         # a body worth holding only from an enrolled site (small ones are left to Flower's own check)
-        if self.auth is not None and length > AUTH_ABOVE and not self.auth.allowed(scope):
-            await _answer(send, 401, b"Invalid SuperNode authentication\n")
-            return
-        if not self.inflight.take(length):  # too many bytes on their way in at once: come back later
+        sender = None
+        if self.auth is not None and length > AUTH_ABOVE:
+            if not self.auth.allowed(scope):
+                await _answer(send, 401, b"Invalid SuperNode authentication\n")
+                return
+            sender = _header(scope, b"flwr-public-key")  # authenticated: its key names the site
+        # too many bytes on their way in, or in Flower's hands, at once (or from this site): come back later
+        if not self.inflight.take(length, sender):
             await _answer(send, 503, b"busy, retry later\n")
             return
         try:
             body = await read_body(receive)  # bounded by the checks above
+            if body is None:  # the client left before its body was complete
+                return
+            if scope["path"].endswith("/push-messages"):
+                refused = self.replies.messages_pushed(body)
+            elif scope["path"].endswith("/push-object"):
+                refused = self.replies.object_pushed(body)
+            else:
+                refused = None
+            if refused is not None:
+                await _answer(send, 413, refused.encode() + b"\n")
+                return
+            if self.record_dir is not None:
+                self._record(scope["path"], body)
+            # the bytes stay counted until Flower has answered: it parses and copies the body
+            status: list[int] = []
+
+            async def answered(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    status.append(int(message["status"]))
+                await send(message)
+
+            if length > AUTH_ABOVE:
+                # one large body in Flower's hands at a time: handled concurrently, Flower's copies of
+                # several bodies fragment the single-arena heap (memory.py) so that it grows with every
+                # upload (an enrolled site's junk: 136 -> 1303 MiB for 192 bodies 3 at a time; one at
+                # a time: 161 MiB). Receiving stays concurrent; Flower's handling holds the GIL anyway.
+                async with self._large:
+                    await self.app(scope, replaying(body, receive), answered)
+            else:
+                await self.app(scope, replaying(body, receive), answered)
+            if length > AUTH_ABOVE and (not status or status[0] >= 400):
+                # a refused body is held by the error's traceback (a reference cycle), which the
+                # federation processes' sparse collections (memory.freeze_startup_objects) would
+                # free only much later: junk uploads would pile up in the heap
+                del body
+                gc.collect(1)
         finally:
-            self.inflight.give(length)
-        if body is None:  # the client left before its body was complete
-            return
-        if scope["path"].endswith("/push-messages"):
-            refused = self.replies.messages_pushed(body)
-        elif scope["path"].endswith("/push-object"):
-            refused = self.replies.object_pushed(body)
-        else:
-            refused = None
-        if refused is not None:
-            await _answer(send, 413, refused.encode() + b"\n")
-            return
-        if self.record_dir is not None:
-            self._record(scope["path"], body)
-        await self.app(scope, replaying(body, receive), send)
+            self.inflight.give(length, sender)
 
     def _record(self, path: str, body: bytes) -> None:
         assert self.record_dir is not None
@@ -134,6 +179,13 @@ class FleetOnly:
         # the .bin appears whole or not at all (a reader globs for it)
         stem.with_suffix(".part").write_bytes(body)
         stem.with_suffix(".part").replace(stem.with_suffix(".bin"))
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _content_length(scope: Scope) -> int | None:

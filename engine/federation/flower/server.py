@@ -258,7 +258,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     address = f"127.0.0.1:{port}"
     secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
     from engine.federation.flower.fleet_auth import write_keys
-    from engine.federation.flower.upload_limits import reply_limit_for
+    from engine.federation.flower.upload_limits import RefusedReplies, reply_limit_for
     from engine.fl.robust import RobustSettings
 
     fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
@@ -271,11 +271,13 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         max_reply = dialogue_reply_limit(method)
     else:
         max_reply = reply_limit_for(method, method.initial_state(), cfg.sites)
+    refused_replies = RefusedReplies()  # what the SuperLink's per-reply limit refused (upload_limits)
     superlink = ChildProcess(
         "SuperLink", launcher_argv("superlink", _superlink_args(cfg, port, insecure), fleet_address=cfg.address,
                                    record_dir=None if record_fleet is None else str(record_fleet),
                                    max_reply_bytes=max_reply, fleet_keys=None if insecure else str(fleet_keys)),
-        cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home"), SECRET_ENV: secret})
+        cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home"), SECRET_ENV: secret},
+        on_line=refused_replies.on_line)
     heartbeat = runtime = control = grid = None
     status, details = "failed", "the coordinator stopped before the run ended"
     try:
@@ -315,6 +317,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         grid.local_secret = secret
         grid.pull_timeout = min(cfg.round_timeout, 60.0)
         grid.cancel = stop
+        grid.refused = refused_replies
         grid.superlink_alive = superlink.running
         grid.set_run(run)
         settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,

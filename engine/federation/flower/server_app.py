@@ -145,6 +145,10 @@ def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_i
                 replies[key] = reply
                 if on_reply is not None:
                     on_reply(key, reply)
+        # replies the grid gave up (refused by the SuperLink's limits, or stalled): left out with the reason
+        failed = getattr(grid, "failed_replies", None)
+        for msg_id in [m for m in pending if failed and m in failed]:
+            missing[pending.pop(msg_id)] = failed.pop(msg_id)
         if not pending:
             break
         if cancel is not None and cancel():

@@ -196,7 +196,10 @@ class TaskExecutor:
         self.local_secret = local_secret
         #: no certificates: the run spec is not signed (its settings are still checked against [bounds])
         self.insecure = False
-        self._announced: set[str] = set()
+        #: ``confirm(settings) -> bool``: the operator accepts each new run before the site trains for it
+        #: (``fedsm site --confirm-runs``; engine.security.run_review); ``None``: runs within [bounds] are accepted
+        self.confirm: Callable[[dict[str, Any]], bool] | None = None
+        self._announced: dict[str, bool] = {}
         self.address = runtime_address
         self.app = client_app
         self.worker = worker
@@ -213,14 +216,24 @@ class TaskExecutor:
         return RuntimeHttpClient.from_server_address(server_address=self.address, insecure=True,
                                                      root_certificates=None, interceptors=chain)
 
-    def _announce(self, settings: dict[str, Any]) -> None:
-        """Emit the run's settings once per run (``run_settings``: what the operator reviews)."""
-        from engine.security.run_spec import describe
+    def _announce(self, settings: dict[str, Any]) -> bool:
+        """Emit the run's settings once per run (``run_settings``: what the operator reviews); whether to train.
+
+        With :attr:`confirm`, the event says so (``confirm: true``) and the operator's answer,
+        asked once per run, decides.
+        """
+        from engine.security.run_spec import bounds_dict, describe
 
         key = settings["session"] + settings["spec_json"]
         if key not in self._announced:
-            self._announced.add(key)
-            self.events.emit("run_settings", settings=describe(settings))
+            shown = describe(settings)
+            self.events.emit("run_settings", settings=shown, bounds=bounds_dict(site_bounds(self.cfg)),
+                             confirm=self.confirm is not None)
+            accepted = True if self.confirm is None else bool(self.confirm(shown))
+            self._announced[key] = accepted
+            if self.confirm is not None:
+                self.events.status(f"the operator {'accepted' if accepted else 'declined'} the run's settings")
+        return self._announced[key]
 
     def acquire(self, client: Any) -> str | None:
         """A task token if the SuperNode has a ClientApp task waiting."""
@@ -269,7 +282,8 @@ class TaskExecutor:
                 try:
                     # the run's signed settings, checked against [bounds] before the payload is pulled
                     settings = check_run_settings(self.cfg, self.insecure, context.run_config, task.fab.content)
-                    self._announce(settings)
+                    if not self._announce(settings):
+                        raise RunSpecRefused(f"the operator of site {self.cfg.name} declined this run's settings")
                     self.worker.signed_spec = settings["spec_json"]
                 except (RunSpecRefused, ConfigError) as exc:
                     release_task_message(client, task)
@@ -332,9 +346,12 @@ def _preflight(cfg: SiteConfig, insecure: bool) -> None:
 
 
 def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, once: bool = False,
-             validate: bool = True, stop: Callable[[], bool] | None = None) -> int:
+             validate: bool = True, stop: Callable[[], bool] | None = None,
+             confirm: Callable[[dict[str, Any]], bool] | None = None) -> int:
     """Join the federation and serve rounds until stopped (or, with ``once``, until the run finishes).
 
+    ``confirm(settings)``: asked once per new run, after its signed settings were verified and
+    before any payload is pulled; ``False`` refuses the run (``fedsm site --confirm-runs``).
     Returns the process exit status (0 = stopped normally or run finished).
     """
     from engine.federation.flower import tuning
@@ -364,6 +381,7 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events,
                             local_secret=supervisor.local_secret)
     executor.insecure = insecure
+    executor.confirm = confirm
     events.status(f"site {cfg.name} connecting to {cfg.coordinator}" + (" (INSECURE: no TLS, no site key)"
                                                                          if insecure else ""))
     watch = CoordinatorWatch(cfg.coordinator, str(cfg.path), grace=ONCE_GRACE_S) if once else None

@@ -21,6 +21,7 @@ are pulled at once (one request each), so one object's round trip overlaps the n
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ from typing import Any
 from flwr.superlink.grid import HttpGrid
 
 from engine.errors import CancelledError
+
+log = logging.getLogger(__name__)
 
 #: Seconds before retrying an object that has not arrived yet, doubling up to the cap.
 INITIAL_BACKOFF = 0.02
@@ -42,9 +45,14 @@ class StalledTransfer(Exception):
     """No object of a message arrived for ``stall_timeout`` seconds (the sender died or hangs)."""
 
 
+class AbandonedTransfer(Exception):
+    """The receiver learnt that the message will never be complete (e.g. the SuperLink refused part of it)."""
+
+
 def pull_objects_promptly(object_ids: list[str], pull_object_fn: Callable[[str], bytes], *,
                           stall_timeout: float = 60.0, cancel: Callable[[], bool] | None = None,
-                          workers: int = PULL_WORKERS) -> dict[str, bytes]:
+                          workers: int = PULL_WORKERS,
+                          abandon: Callable[[], str | None] | None = None) -> dict[str, bytes]:
     """Pull every object, ``workers`` at a time, retrying those not there yet after 20 ms (up to 100 ms).
 
     Objects are asked for in the order given (the order in which a sender pushes them and a
@@ -54,7 +62,8 @@ def pull_objects_promptly(object_ids: list[str], pull_object_fn: Callable[[str],
 
     Gives up (:class:`StalledTransfer`) only when nothing arrived for ``stall_timeout``
     seconds, so a big payload over a slow link is never cut off while it is still moving,
-    and stops at once (:class:`CancelledError`) when ``cancel()`` says so. Any other error of
+    and stops at once (:class:`CancelledError`) when ``cancel()`` says so, or
+    (:class:`AbandonedTransfer`) when ``abandon()`` returns a reason. Any other error of
     ``pull_object_fn`` is raised as it is.
     """
     from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
@@ -84,6 +93,9 @@ def pull_objects_promptly(object_ids: list[str], pull_object_fn: Callable[[str],
                     continue
             if cancel is not None and cancel():
                 raise CancelledError("stopped while receiving a message")
+            reason = abandon() if abandon is not None else None
+            if reason:
+                raise AbandonedTransfer(reason)
             if now - last_progress > stall_timeout:
                 raise StalledTransfer(f"{len(waiting)} of {len(object_ids)} parts of a message did not arrive "
                                       f"within {stall_timeout:g} s")
@@ -166,11 +178,16 @@ class PromptHttpGrid(HttpGrid):
     """Flower's ``HttpGrid`` whose ``pull_messages`` retries missing objects promptly.
 
     A reply whose upload stalls for ``pull_timeout`` seconds (its site died while sending)
-    is dropped; ``cancel`` stops a pull at once.
+    is dropped, and so is, at once, a reply the SuperLink refused (``refused``:
+    :class:`.upload_limits.RefusedReplies`); either way the reason is kept in
+    ``failed_replies`` under the id of the message it answers (read by the round loop,
+    :func:`.server_app.exchange`). ``cancel`` stops a pull at once.
     """
 
     pull_timeout: float = 60.0
     cancel: Callable[[], bool] | None = None
+    #: replies the SuperLink refused (``None``: no such reports)
+    refused: Any = None
     #: the SuperLink's loopback secret (:mod:`.local_auth`), added to every request
     local_secret: str | None = None
 
@@ -179,6 +196,8 @@ class PromptHttpGrid(HttpGrid):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: {id of the message replied to: why its reply was given up}
+        self.failed_replies: dict[str, str] = {}
         # Flower retries a failed request forever; a coordinator whose SuperLink died must give up
         # (and exit) instead of hanging in a retry loop. A SuperLink that is alive but slow (a
         # loaded machine: each request has Flower's fixed 30-s timeout) gets up to give_up_after.
@@ -226,14 +245,30 @@ class PromptHttpGrid(HttpGrid):
         client = self._runtime_client
         res = client.PullMessages(PullAppMessagesRequest(message_ids=list(message_ids)))
         out = []
+        refused = self.refused
         for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
             msg_id = proto.metadata.message_id
+
+            def abandon(root: str = tree.object_id) -> str | None:
+                return refused.reason(root) if refused is not None else None
+
             try:
+                if abandon():  # refused before the coordinator asked: not one object is pulled
+                    raise AbandonedTransfer(abandon())
                 contents = pull_objects_promptly([t.object_id for t in iterate_object_tree(tree)],
                                                  make_pull_object_fn_protobuf(client.PullObject, self.node, run_id),
-                                                 stall_timeout=self.pull_timeout, cancel=self.cancel)
-            except (ObjectPullError, StalledTransfer):
-                # the reply is gone for good; the round treats the site as not answering
+                                                 stall_timeout=self.pull_timeout, cancel=self.cancel,
+                                                 abandon=abandon)
+            except (ObjectPullError, StalledTransfer, AbandonedTransfer) as exc:
+                # the reply is gone for good; the round leaves the site out with the reason
+                self.failed_replies[proto.metadata.reply_to_message_id] = (
+                    f"the coordinator refused its reply: {exc}" if isinstance(exc, AbandonedTransfer)
+                    else f"its reply did not arrive whole: {exc}")
+                try:  # the SuperLink may drop what it holds of the reply
+                    client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(
+                        node=self.node, run_id=run_id, message_object_id=msg_id))
+                except Exception as confirm_error:  # best effort
+                    log.debug("could not release reply %s: %s", msg_id, confirm_error)
                 continue
             client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=self.node, run_id=run_id,
                                                                         message_object_id=msg_id))

@@ -8,10 +8,16 @@ many and however large, until the ServerApp pulls them. The fleet listener
 - **a per-request limit** (``max_body``, 8 MiB: Flower splits arrays into chunks of 5 MiB, its
   largest legitimate request), 413 above it, decided from ``Content-Length`` before the
   body is read;
-- **an in-flight budget** (:class:`InflightBudget`, 64 MiB): the declared lengths of the bodies
-  being received at once, from anyone, authenticated or not. A request that would exceed it
-  is answered 503 at once (Flower's clients retry 503 with back-off), so sixteen anonymous
-  60 MB uploads cost the SuperLink at most the budget, never a gigabyte;
+- **an in-flight budget** (:class:`InflightBudget`, 64 MiB, of which one enrolled site may
+  hold 24 MiB): the declared lengths of the bodies being received *or handled by Flower* at
+  once, from anyone, authenticated or not. A body's bytes count until Flower has answered
+  it, since Flower parses and copies a body after it was received, and the federation
+  processes keep their allocator's high-water mark (:mod:`.memory`): counting only the
+  receipt let an enrolled site's 192 junk bodies of 7.9 MB take the SuperLink from 135 to
+  692 MiB (now 198 MiB, with bodies above 64 KiB handed to Flower one at a time by the fleet
+  listener: ``benchmarks/enrolled_junk.py``). A request that would exceed it is answered 503
+  at once (Flower's clients retry 503 with back-off), so sixteen anonymous 60 MB uploads
+  cost the SuperLink at most the budget, never a gigabyte;
 - **a per-reply limit** (:class:`ReplyBytes`): a site first pushes a reply's object tree
   (``push-messages``), then its objects (``push-object``). A tree of more than
   ``max_reply_objects`` objects is refused whole (413, nothing stored); then the bytes of the
@@ -30,30 +36,58 @@ from typing import Any
 
 #: Largest request body a site may send: one 5 MiB array chunk plus its framing.
 MAX_BODY = 8 * 1024 * 1024
-#: Bytes of request bodies being received at once, across all connections.
+#: Bytes of request bodies being received or handled at once, across all connections.
 MAX_INFLIGHT = 64 * 1024 * 1024
+#: ... and from one enrolled site (its uploads: a few 5 MiB chunks at a time).
+MAX_INFLIGHT_PER_SITE = 24 * 1024 * 1024
 #: Most objects one reply's tree may hold.
 MAX_REPLY_OBJECTS = 4096
 #: Trees remembered for counting (the oldest are forgotten first).
 _REMEMBERED_TREES = 256
+#: Output line of the SuperLink's launcher for a refused reply: ``FEDSM-REFUSED-REPLY <message id> <reason>``;
+#: the coordinator then gives that reply up at once, with the reason (:class:`RefusedReplies`).
+REFUSED_REPLY = "FEDSM-REFUSED-REPLY"
 
 
 class InflightBudget:
-    """Bytes of request bodies being received now; :meth:`take` refuses what would exceed ``limit``."""
+    """Bytes of request bodies being received or handled now; :meth:`take` refuses what would exceed a limit.
 
-    def __init__(self, limit: int = MAX_INFLIGHT) -> None:
+    Parameters
+    ----------
+    limit
+        All requests together.
+    per_sender
+        One sender's requests together (``None``: no per-sender limit). A sender with nothing
+        in flight always gets one request through (within ``limit``), so a body larger than
+        ``per_sender`` is not refused for ever.
+    """
+
+    def __init__(self, limit: int = MAX_INFLIGHT, per_sender: int | None = None) -> None:
         self.limit = limit
+        self.per_sender = per_sender
         self.used = 0
+        self._by_sender: dict[bytes, int] = {}
 
-    def take(self, length: int) -> bool:
-        """Reserve ``length`` bytes; ``False`` (nothing reserved) if that would exceed the budget."""
+    def take(self, length: int, sender: bytes | None = None) -> bool:
+        """Reserve ``length`` bytes (for ``sender``); ``False`` (nothing reserved) if that would exceed a limit."""
         if self.used + length > self.limit:
             return False
+        if sender is not None and self.per_sender is not None:
+            mine = self._by_sender.get(sender, 0)
+            if mine and mine + length > self.per_sender:
+                return False
+            self._by_sender[sender] = mine + length
         self.used += length
         return True
 
-    def give(self, length: int) -> None:
+    def give(self, length: int, sender: bytes | None = None) -> None:
         self.used = max(self.used - length, 0)
+        if sender is not None and sender in self._by_sender:
+            left = self._by_sender[sender] - length
+            if left > 0:
+                self._by_sender[sender] = left
+            else:
+                del self._by_sender[sender]
 
 
 class ReplyBytes:
@@ -73,6 +107,9 @@ class ReplyBytes:
         self._owner: dict[str, str] = {}
         self._bytes: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._members: dict[str, list[str]] = {}
+        #: called once per refused reply with (its message id, the reason)
+        self.on_refused: Any = None
+        self._refused: set[str] = set()
 
     def messages_pushed(self, body: bytes) -> str | None:
         """Register the trees of a ``push-messages`` body; a reason to refuse it, or ``None``."""
@@ -108,8 +145,13 @@ class ReplyBytes:
             return None  # not part of a registered reply: Flower refuses objects it does not expect
         total = self._bytes.get(root, 0) + len(body)
         if total > self.max_reply_bytes:
-            return (f"the reply exceeds the coordinator's limit of {self.max_reply_bytes} bytes "
-                    f"({_mib(self.max_reply_bytes)})")
+            reason = (f"the reply exceeds the coordinator's limit of {self.max_reply_bytes} bytes "
+                      f"({_mib(self.max_reply_bytes)})")
+            if root not in self._refused:
+                self._refused.add(root)
+                if self.on_refused is not None:
+                    self.on_refused(root, reason)
+            return reason
         self._bytes[root] = total
         return None
 
@@ -122,6 +164,7 @@ class ReplyBytes:
             self._owner[object_id] = root
         while len(self._bytes) > _REMEMBERED_TREES:
             old, _ = self._bytes.popitem(last=False)
+            self._refused.discard(old)
             for object_id in self._members.pop(old, []):
                 if self._owner.get(object_id) == old:
                     del self._owner[object_id]
@@ -147,6 +190,41 @@ def reply_limit_for(method: Any, state: Any, sites: list[str] | tuple[str, ...])
         parts = method.expected_update_shapes(state, site)
         largest = max(largest, sum(payload_bytes(w) for w in parts.values()))
     return max(int(2 * largest + 16 * 1024 * 1024), MIN_REPLY_LIMIT)
+
+
+class RefusedReplies:
+    """Replies the SuperLink refused (from its :data:`REFUSED_REPLY` lines), for the coordinator's grid.
+
+    Filled from the SuperLink's output thread, read by the round loop: the coordinator stops
+    waiting for a refused reply's missing objects at once and leaves its site out with the reason.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._reasons: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def on_line(self, line: str) -> bool:
+        """Record a :data:`REFUSED_REPLY` line; ``True`` if ``line`` was one."""
+        start = line.find(REFUSED_REPLY)
+        if start < 0:
+            return False
+        parts = line[start + len(REFUSED_REPLY):].strip().split(" ", 1)
+        if len(parts) == 2:
+            self.add(parts[0], parts[1])
+        return True
+
+    def add(self, message_id: str, reason: str) -> None:
+        with self._lock:
+            self._reasons[message_id] = reason
+            while len(self._reasons) > _REMEMBERED_TREES:
+                self._reasons.popitem(last=False)
+
+    def reason(self, message_id: str) -> str | None:
+        """Why the reply ``message_id`` was refused, or ``None``."""
+        with self._lock:
+            return self._reasons.get(message_id)
 
 
 def _mib(n: int) -> str:
