@@ -230,3 +230,34 @@ def test_large_bodies_reach_flower_one_at_a_time():
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_reply_refused_whole_is_given_up_by_the_message_it_answers():
+    """A reply of too many objects is never announced: the coordinator learns of it by the id of its request."""
+    from flwr.proto.message_pb2 import Message, Metadata
+    from flwr.proto.runtime_pb2 import PullAppMessagesResponse
+    from flwr.supercore.run import Run
+
+    from engine.federation.flower.transfer import PromptHttpGrid
+    from engine.federation.flower.upload_limits import REFUSED_REPLY, RefusedReplies
+
+    counter = ReplyBytes(max_reply_bytes=10**9, max_reply_objects=1)
+    lines: list[str] = []
+    counter.on_refused = lambda key, reason: lines.append(f"{REFUSED_REPLY} {key} {reason}")
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+
+    body = PushMessagesRequest(messages_list=[Message(metadata=Metadata(reply_to_message_id="req-7"))],
+                               message_object_trees=[_tree("r", ["a", "b"])]).SerializeToString()
+    assert "exceeds the limit of 1" in counter.messages_pushed(body)
+    refused = RefusedReplies()
+    assert refused.on_line(lines[0])
+
+    class Grid(PromptHttpGrid):
+        _runtime_client = type("Client", (), {"PullMessages": lambda self, req: PullAppMessagesResponse()})()
+
+    grid = Grid("127.0.0.1:1", True, None, token="t")
+    grid.set_run(Run.create_empty(1))
+    grid.refused = refused
+    assert list(grid.pull_messages(["req-7", "req-8"])) == []
+    assert grid.failed_replies == {"req-7": "the coordinator refused its reply: a reply of 3 objects exceeds the "
+                                             "limit of 1"}

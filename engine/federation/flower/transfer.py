@@ -241,11 +241,20 @@ class PromptHttpGrid(HttpGrid):
         from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
         from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, inflate_object_from_contents
 
+        from engine.federation.flower.upload_limits import REPLY_TO
+
         run_id = self.run.run_id
         client = self._runtime_client
-        res = client.PullMessages(PullAppMessagesRequest(message_ids=list(message_ids)))
+        message_ids = list(message_ids)
+        res = client.PullMessages(PullAppMessagesRequest(message_ids=message_ids))
         out = []
         refused = self.refused
+        if refused is not None:  # replies refused whole (too many objects) are never announced
+            returned = {proto.metadata.reply_to_message_id for proto in res.messages_list}
+            for asked in message_ids:
+                why = refused.reason(REPLY_TO + asked) if asked not in returned else None
+                if why:
+                    self.failed_replies[asked] = f"the coordinator refused its reply: {why}"
         for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
             msg_id = proto.metadata.message_id
 

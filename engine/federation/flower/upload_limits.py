@@ -47,6 +47,8 @@ _REMEMBERED_TREES = 256
 #: Output line of the SuperLink's launcher for a refused reply: ``FEDSM-REFUSED-REPLY <message id> <reason>``;
 #: the coordinator then gives that reply up at once, with the reason (:class:`RefusedReplies`).
 REFUSED_REPLY = "FEDSM-REFUSED-REPLY"
+#: Prefix of a refused reply's key when it is known by the id of the message it answers (refused whole).
+REPLY_TO = "to:"
 
 
 class InflightBudget:
@@ -121,10 +123,14 @@ class ReplyBytes:
         except Exception:  # Flower answers a malformed body itself
             return None
         trees = []
-        for tree in request.message_object_trees:
+        for k, tree in enumerate(request.message_object_trees):
             ids = [t.object_id for t in iterate_object_tree(tree)]
             if len(ids) > self.max_reply_objects:
-                return f"a reply of {len(ids)} objects exceeds the limit of {self.max_reply_objects}"
+                reason = f"a reply of {len(ids)} objects exceeds the limit of {self.max_reply_objects}"
+                if self.on_refused is not None and k < len(request.messages_list):
+                    # never announced, so known to the coordinator only by the message it answers
+                    self.on_refused(REPLY_TO + request.messages_list[k].metadata.reply_to_message_id, reason)
+                return reason
             trees.append((tree.object_id, ids))
         for root, ids in trees:
             self._remember(root, ids)
