@@ -4,6 +4,9 @@ Takes the super model and data of a ``fedsm simulate --holdout-site NAME`` run a
 on the same trained selector, what the field's two post-hoc remedies would give, each computed
 only from statistics a federation can aggregate (no image or per-image feature leaves a site):
 
+- a validation-chosen gamma (``--gamma auto``, :mod:`engine.fl.selector_gamma`): the largest
+  gamma that the given share of the recognised participating validation images pass, without
+  and with temperature scaling;
 - temperature scaling: the temperature minimising the NLL summed over the participating sites'
   validation images (what ``--selector-calibration temperature`` fits from NLL sums per grid
   point);
@@ -18,6 +21,7 @@ Reported per remedy: routing of the participating sites' test images (own site /
 all held-out site images (global), with gamma for the softmax and the quantile for the distance.
 
     python benchmarks/selector_ood.py --run RUN_DIR --data DATA_DIR [--holdout site6] [--gammas 0.6 0.9]
+        [--pass-fractions 0.95]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 from engine.bundle import load_bundle
 from engine.data.preprocess import resize_images
 from engine.data.site_data import load_site
+from engine.fl.selector_gamma import gamma_from_histogram, own_site_histogram
 from engine.fl.selector_training import TEMPERATURE_GRID, expected_calibration_error
 from engine.inference.predictor import SuperModelPredictor
 from engine.tasks import get_task
@@ -59,6 +64,8 @@ def main() -> None:
     parser.add_argument("--gammas", type=float, nargs="+", default=[0.6, 0.9])
     parser.add_argument("--quantiles", type=float, nargs="+", default=[0.95, 0.9])
     parser.add_argument("--shrinkage", type=float, default=0.1)
+    parser.add_argument("--pass-fractions", type=float, nargs="+", default=[0.9, 0.95],
+                        help="validation-chosen gamma (--gamma auto): share of validation images that must pass")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -83,13 +90,20 @@ def main() -> None:
     zv, yv = stack("validation", 2)
     zt, yt = stack("test", 2)
     zu = unseen[2]
+    # a run with --selector-calibration temperature folded 1/T into the last layer: undo it, so that
+    # "T=1" below is the trained selector and the fitted T is fitted afresh
+    folded = float(meta.extra.get("selector_temperature", 1.0))
+    zv, zt, zu = zv * folded, zt * folded, zu * folded
 
     def nll(t: float) -> float:
         p = _softmax(zv / t)
         return float(-np.log(p[np.arange(len(yv)), yv] + 1e-300).sum())
 
     t_best = min(TEMPERATURE_GRID, key=nll)
-    print(f"run {args.run} ({meta.task}, held out {holdout}): {len(zt)} seen test images, {len(zu)} unseen images")
+    print(f"run {args.run} ({meta.task}, held out {holdout}): {len(zt)} seen test images, {len(zu)} unseen images"
+          + (f"; the bundle's temperature {folded:g} undone" if folded != 1.0 else "")
+          + (f"; the bundle's gamma {meta.gamma:g} (chosen: {meta.extra['gamma_choice']})"
+             if "gamma_choice" in meta.extra else ""))
     for t in (1.0, t_best):
         pt, pu = _softmax(zt / t), _softmax(zu / t)
         fitted = " (fitted on validation NLL)" if t != 1.0 else ""
@@ -99,6 +113,13 @@ def main() -> None:
             sure = pt.max(1) > g
             print(f"  gamma {g:g}: seen to own site {(sure & (pt.argmax(1) == yt)).mean():.2f}, seen to global "
                   f"{(~sure).mean():.2f}; unseen to global {(pu.max(1) <= g).mean():.2f}")
+        pv = _softmax(zv / t)
+        for q in args.pass_fractions:
+            g = gamma_from_histogram(own_site_histogram(pv, yv)[0], q, len(names))
+            sure = pt.max(1) > g
+            print(f"  gamma auto (pass {q:g} of recognised validation images) = {g:.2f}: seen to own site "
+                  f"{(sure & (pt.argmax(1) == yt)).mean():.2f}, seen to global {(~sure).mean():.2f}; "
+                  f"unseen to global {(pu.max(1) <= g).mean():.2f}")
     for which, label in ((0, "pooled 512-d"), (1, "penultimate 256-d")):
         x, y = stack("train", which)
         mu = np.stack([x[y == k].mean(0) for k in range(len(names))])

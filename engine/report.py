@@ -48,6 +48,13 @@ def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str,
     return out
 
 
+def _gamma_choice_line(choice: dict[str, Any]) -> str:
+    """``--gamma auto``: the federation's gamma and what it rests on."""
+    return (f"Gamma chosen by the federation (`--gamma auto`): {choice['gamma']:.2f}, passed by "
+            f"{choice['pass_fraction']:.0%} of the validation images the selector recognised "
+            f"({_fmt(choice['accuracy'])} of {int(choice['images'])} validation images).")
+
+
 def _selector_lines(sel: dict[str, Any]) -> list[str]:
     """The selector and routing-guard analysis (:mod:`engine.selector_report`) as Markdown."""
     unseen = sel.get("unseen_site")
@@ -58,6 +65,7 @@ def _selector_lines(sel: dict[str, Any]) -> list[str]:
              f"{_fmt(sel['confidence']['seen'].get('quantiles', {}).get('median'))}"
              + (f", unseen {_fmt(sel['confidence']['unseen'].get('quantiles', {}).get('median'))}"
                 if "unseen" in sel["confidence"] else "") + ".", "",
+             *([_gamma_choice_line(sel["gamma_choice"]), ""] if "gamma_choice" in sel else []),
              "| gamma | seen to global | seen to own site | seen to other site | unseen to global |",
              "|---|---|---|---|---|"]
     for row in sel["routing_per_gamma"]:

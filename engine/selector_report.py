@@ -79,6 +79,8 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
     unseen_scored = _score(predictor, unseen) if unseen is not None and len(unseen.images) else None
     out: dict[str, Any] = {
         "calibration": meta.extra.get("selector_calibration", "none"),
+        "gamma": float(gamma),
+        **({"gamma_choice": meta.extra["gamma_choice"]} if "gamma_choice" in meta.extra else {}),
         "confidence": {"seen": confidence_summary(probs.max(1) if len(probs) else probs)},
         "ece": {"participating": expected_calibration_error(probs, labels),
                 "accuracy": float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")},
@@ -87,7 +89,7 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
         out["confidence"]["unseen"] = confidence_summary(unseen_scored.probs.max(1))
 
     per_gamma = []
-    for g in gammas:
+    for g in sorted({float(x) for x in gammas} | {float(gamma)}):  # the run's gamma has its row too
         routed = route_fedsm(probs, g)
         row: dict[str, Any] = {"gamma": float(g),
                                "seen": {"global": float((routed == 0).mean()),

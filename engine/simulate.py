@@ -50,7 +50,8 @@ class SimulationConfig:
     image_size: int = 256
     seed: int = 0
     lam: float | None = None
-    gamma: float = 0.6
+    gamma: float | str = 0.6
+    gamma_pass: float = 0.95
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
@@ -112,6 +113,10 @@ class SimulationConfig:
         from engine.fl.selector_training import check_calibration
 
         check_calibration(self.selector_calibration)
+        from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
+
+        self.gamma = parse_gamma(self.gamma)
+        self.gamma_pass = check_pass_fraction(self.gamma_pass)
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
@@ -272,11 +277,14 @@ class Simulation:
         if name == "fedprox":
             return m.FedProx(self.task, names, training, cfg.seed, cfg.rounds, mu=cfg.prox_mu)
         if name == "fedsm":
-            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam, gamma=cfg.gamma,
-                           selector_calibration=cfg.selector_calibration, selector_warmup=cfg.selector_warmup)
-        if name == "fedsm-extra":
+            auto = cfg.gamma == "auto"  # gamma chosen by the federation; 0.6 only labels the fallback
+            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam,
+                           gamma=0.6 if auto else float(cfg.gamma), selector_calibration=cfg.selector_calibration,
+                           selector_warmup=cfg.selector_warmup, gamma_pass=cfg.gamma_pass if auto else None)
+        if name == "fedsm-extra":  # argmax routing: gamma is not used
             return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
-                                lam=cfg.lam, gamma=cfg.gamma, extra_rounds=cfg.extra_rounds)
+                                lam=cfg.lam, gamma=0.6 if cfg.gamma == "auto" else float(cfg.gamma),
+                                extra_rounds=cfg.extra_rounds)
         return m.METHODS[name](self.task, names, training, cfg.seed, cfg.rounds)
 
     def run_method(self, name: str) -> MethodResult:
@@ -491,13 +499,17 @@ class Simulation:
                                    "selector_calibration": getattr(method, "selector_calibration", "lda")}
         if "selector_calibration" in state:
             details["selector_temperature"] = float(state["selector_calibration"]["temperature"][0])
+        if "selector_gamma" in state:  # --gamma auto: the federation's choice and what it rests on
+            details["gamma_choice"] = {k: float(v[0]) for k, v in state["selector_gamma"].items()}
+        routing_gamma = getattr(method, "routing_gamma", None)
         meta = BundleMetadata(
             task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
             image_size=self.cfg.image_size, selector_size=self.cfg.selector_size,
             selector_head=self.cfg.selector_head, normalisation=self.task.normalisation,
             site_names=[s.name for s in self.sites], method=method.name,
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
-            gamma=float(self.cfg.gamma),
+            gamma=float(routing_gamma(state)) if routing_gamma is not None and not extra_method
+            else (0.6 if self.cfg.gamma == "auto" else float(self.cfg.gamma)),
             rounds=method.total_rounds, val_dice=val_dice,
             site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
             routing_guard=bool(self.cfg.routing_guard) and guarded, extra=details)
@@ -572,7 +584,7 @@ class Simulation:
             "selector_accuracy": held_out_acc,
             **({"selector": self._selector_analysis(predictor)} if method.name == "fedsm" else {}),
             "routing": routing,
-            "gamma": self.cfg.gamma,
+            "gamma": float(predictor.metadata.gamma),  # the federation's choice with --gamma auto
             "lam": self.cfg.lam,
             "val_dice": val_dice,
             "components": {"global_only": {"client_average": glob[1], "pooled": glob[2]},
@@ -598,7 +610,7 @@ class Simulation:
         from engine.selector_report import SiteImages, selector_report
 
         seen = [SiteImages(s.name, s.test.images, s.test.masks, s.test.case_ids) for s in self.sites]
-        return selector_report(predictor, seen, self._unseen_images(), self.cfg.gamma)
+        return selector_report(predictor, seen, self._unseen_images(), predictor.metadata.gamma)
 
     def _unseen_dice(self, weights: Any) -> dict[str, Any]:
         """Dice of one model on the held-out site (``{}`` without one)."""

@@ -14,6 +14,7 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
     out = tmp_path / "run"
     code = main(["simulate", "--task", "fundus", "--sites", "3", "--holdout-site", "site3", "--rounds", "1",
                  "--selector-warmup", "1", "--image-size", "32", "--methods", "fedavg,fedsm", "--device", "cpu",
+                 "--gamma", "auto",
                  "--out", str(out)])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
@@ -32,6 +33,13 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
         assert row["unseen"]["global"] + row["unseen"]["site"] == pytest.approx(1.0)
     # gamma 0.99: nothing is that sure after two Adam steps; everything goes to the global model
     assert sel["routing_per_gamma"][-1]["unseen"]["global"] == 1.0
+    # --gamma auto: the federation's gamma, from every participating validation image, routes the run
+    choice = sel["gamma_choice"]
+    assert choice["pass_fraction"] == 0.95 and 0.5 <= choice["gamma"] < 1.0  # two sites: gamma >= 1/K
+    assert choice["images"] == sum(s["validation"]["images"] for s in report["sites"])
+    assert sel["gamma"] == fedsm["extra"]["gamma"] == choice["gamma"] == sel["dice"]["gamma"]
+    assert choice["gamma"] in [row["gamma"] for row in sel["routing_per_gamma"]]
+    assert f"Gamma chosen by the federation (`--gamma auto`): {choice['gamma']:.2f}" in (out / "report.md").read_text()
     dice = sel["dice"]
     assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only"}
     assert set(sel["guard"]) == {"site1", "site2"}

@@ -34,6 +34,15 @@ def _methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip().lower() for m in text.split(",") if m.strip())
 
 
+def _gamma(text: str) -> float | str:
+    from engine.fl.selector_gamma import parse_gamma
+
+    try:
+        return parse_gamma(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_options(items: list[str]) -> dict[str, Any]:
     """``["blackfed_client_epochs=4", ...]`` -> ``{"blackfed_client_epochs": 4}`` (numbers parsed as JSON)."""
     import json
@@ -74,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lam", type=float, default=None,
                    help="SoftPull lambda (default 0.7 fundus, 0.3 prostate; at least 1/K)")
-    p.add_argument("--gamma", type=float, default=0.6, help="routing threshold (strict >)")
+    p.add_argument("--gamma", type=_gamma, default=0.6,
+                   help="routing threshold (strict >), or 'auto': the federation chooses it from the sites' "
+                        "validation confidence histograms so that --gamma-pass of recognised images pass")
+    p.add_argument("--gamma-pass", type=float, default=0.95, metavar="FRACTION",
+                   help="with --gamma auto: share of the validation images the selector recognises that must "
+                        "pass gamma (default 0.95, the OOD convention's 95%% TPR)")
     p.add_argument("--epochs", type=int, default=1, help="local epochs per round")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -88,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: selector-only rounds before training (one Adam step each; default 0)")
     p.add_argument("--selector-epochs", type=int, default=1,
                    help="FedSM reference selector: passes per round, one Adam step each (default 1, the paper's)")
-    p.add_argument("--selector-bn", choices=["running", "batch"], default="batch",
+    p.add_argument("--selector-bn", choices=["running", "batch", "fresh"], default="batch",
                    help="FedSM reference selector's BatchNorm during local training: each batch's statistics "
-                        "as the reference's train mode (default), or the running (federation) statistics")
+                        "as the reference's train mode (default), the running (federation) statistics, or "
+                        "fresh: as batch, with the running statistics re-estimated over each pass")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
@@ -209,7 +224,8 @@ def _run(args: argparse.Namespace) -> int:
                 report = api.simulate(
                     out_dir=args.out, progress=progress, task=args.task, sites=args.sites, rounds=args.rounds,
                     methods=args.methods, image_size=args.image_size, seed=args.seed, lam=args.lam,
-                    gamma=args.gamma, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                    gamma=args.gamma, gamma_pass=args.gamma_pass, epochs=args.epochs, batch_size=args.batch_size,
+                    lr=args.lr,
                     selector_lr=args.selector_lr, selector_size=args.selector_size,
                     selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
                     lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,

@@ -592,6 +592,16 @@ def _check_args(task: str, sites: int, image_size: int, seed: int, slices: int) 
         raise ConfigError(f"slices must be an integer >= 6 (so some slices have no gland), got {slices!r}")
 
 
+def _scaled_profiles(task: str, sites: int, cases_scale: int) -> list[SiteProfile]:
+    """:func:`site_profiles` with ``cases_scale`` times the cases (a positive integer)."""
+    if not _is_int(cases_scale) or cases_scale < 1:
+        raise ConfigError(f"cases_scale must be a positive integer, got {cases_scale!r}")
+    profiles = site_profiles(task, sites)
+    if cases_scale == 1:
+        return profiles
+    return [dataclasses.replace(p, cases=p.cases * int(cases_scale)) for p in profiles]
+
+
 def split_counts(cases: int) -> tuple[int, int, int]:
     """Training/validation/testing case counts: about 0.5/0.25/0.25, at least one each."""
     if cases < 3:
@@ -620,8 +630,8 @@ def _federation_doc(task: str, profiles: list[SiteProfile], image_size: int, see
 
 
 def generate_federation(task: str, sites: int, out_dir: Path, image_size: int = 64, seed: int = 0,
-                        progress: Callable[[str], None] | None = None, *, slices: int = DEFAULT_SLICES
-                        ) -> list[Path]:
+                        progress: Callable[[str], None] | None = None, *, slices: int = DEFAULT_SLICES,
+                        cases_scale: int = 1) -> list[Path]:
     """Write a synthetic federation of ``sites`` sites under ``out_dir``.
 
     Parameters
@@ -642,6 +652,9 @@ def generate_federation(task: str, sites: int, out_dir: Path, image_size: int = 
         Called with a short message after each site.
     slices
         Axial slices per prostate volume (ignored for fundus).
+    cases_scale
+        Each site holds ``cases_scale`` times its profile's cases (the desktop demo uses more
+        cases than the paper-like table); case ``i`` is the same image at every scale.
 
     Returns
     -------
@@ -657,7 +670,7 @@ def generate_federation(task: str, sites: int, out_dir: Path, image_size: int = 
     """
     _check_args(task, sites, image_size, seed, slices)
     out_dir = Path(out_dir)
-    profiles = site_profiles(task, sites)
+    profiles = _scaled_profiles(task, sites, cases_scale)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / FEDERATION_FILE).unlink(missing_ok=True)
@@ -711,7 +724,7 @@ def generate_federation(task: str, sites: int, out_dir: Path, image_size: int = 
 
 
 def existing_federation(out_dir: Path, task: str, sites: int, image_size: int, seed: int, *,
-                        slices: int = DEFAULT_SLICES) -> list[Path] | None:
+                        slices: int = DEFAULT_SLICES, cases_scale: int = 1) -> list[Path] | None:
     """The datalists of a complete earlier generation with exactly these settings, else ``None``.
 
     A match needs ``out_dir/federation.json`` to record the same task, site count, image size,
@@ -722,9 +735,9 @@ def existing_federation(out_dir: Path, task: str, sites: int, image_size: int, s
     try:
         _check_args(task, sites, image_size, seed, slices)
         stored = json.loads((out_dir / FEDERATION_FILE).read_text(encoding="utf-8"))
+        wanted = _federation_doc(task, _scaled_profiles(task, sites, cases_scale), image_size, seed, slices)
     except (OSError, ValueError, ConfigError):
         return None
-    wanted = _federation_doc(task, site_profiles(task, sites), image_size, seed, slices)
     if stored != wanted:
         return None
     paths = []

@@ -33,7 +33,9 @@ class MethodSpec:
     seed: int = 0
     image_size: int = 256
     lam: float | None = None
-    gamma: float = 0.6
+    #: a number, or ``"auto"``: chosen in the last round from the sites' validation histograms
+    gamma: float | str = 0.6
+    gamma_pass: float = 0.95
     prox_mu: float = 0.01
     extra_rounds: int | None = None
     epochs: int = 1
@@ -81,6 +83,10 @@ class MethodSpec:
         from engine.fl.selector_training import check_calibration
 
         check_calibration(self.selector_calibration)
+        from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
+
+        object.__setattr__(self, "gamma", parse_gamma(self.gamma))
+        object.__setattr__(self, "gamma_pass", check_pass_fraction(self.gamma_pass))
         from engine.data.disc_crop import check_mode
 
         check_mode(self.fundus_crop)
@@ -173,10 +179,12 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
+    auto = spec.gamma == "auto"  # the federation chooses gamma (FedSM); 0.6 only labels the fallback
     if spec.method == "fedsm":
-        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0), gamma=spec.gamma,
-                       selector_calibration=spec.selector_calibration, selector_warmup=int(spec.selector_warmup))
-    if spec.method == "fedsm-extra":
+        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
+                       gamma=0.6 if auto else float(spec.gamma), selector_calibration=spec.selector_calibration,
+                       selector_warmup=int(spec.selector_warmup), gamma_pass=spec.gamma_pass if auto else None)
+    if spec.method == "fedsm-extra":  # argmax routing: gamma is not used
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
-                            gamma=spec.gamma, extra_rounds=int(spec.extra_rounds or 1))
+                            gamma=0.6 if auto else float(spec.gamma), extra_rounds=int(spec.extra_rounds or 1))
     return m.METHODS[spec.method](task, names, training, spec.seed, spec.rounds)

@@ -96,6 +96,9 @@ def segmentation_loss(name: str = "dice") -> torch.nn.Module:
     raise ConfigError(f"unknown loss {name!r}; choose from {', '.join(SEGMENTATION_LOSSES)}")
 
 
+#: Selector BatchNorm during local training (``LocalTrainingConfig.selector_bn``).
+SELECTOR_BN_MODES = ("batch", "running", "fresh")
+
 @dataclass(frozen=True)
 class LocalTrainingConfig:
     """Hyper-parameters of one site's local round.
@@ -123,8 +126,12 @@ class LocalTrainingConfig:
         each batch's own statistics during local training, as the reference's ``train()`` mode
         does; ``"running"`` with their running (federation-averaged) statistics. Measured
         (docs/results.md, "Selector (leave-one-site-out)"): with ``"running"`` the selector is
-        sure (confidence 1.000) of unseen images too; with ``"batch"`` it is not. The per-batch
-        ``lda`` scheme always uses the running statistics.
+        sure (confidence 1.000) of unseen images too; with ``"batch"`` it is not. ``"fresh"``:
+        trains as ``"batch"``, but the running statistics a site sends are re-estimated over its
+        pass (cumulative average) instead of an exponential average that mostly keeps the last
+        round's values, so the federation-averaged statistics describe the current selector
+        (``engine.fl.selector_training.reference_selector_round``). The per-batch ``lda`` scheme
+        always uses the running statistics.
     prox_mu
         FedProx proximal coefficient (0 = off).
     lr_schedule
@@ -164,8 +171,8 @@ class LocalTrainingConfig:
             raise ConfigError(f"lr_min_ratio must lie in (0, 1], got {self.lr_min_ratio}")
         if self.loss not in SEGMENTATION_LOSSES:
             raise ConfigError(f"unknown loss {self.loss!r}; choose from {', '.join(SEGMENTATION_LOSSES)}")
-        if self.selector_bn not in ("running", "batch"):
-            raise ConfigError(f"selector_bn must be 'running' or 'batch', got {self.selector_bn!r}")
+        if self.selector_bn not in SELECTOR_BN_MODES:
+            raise ConfigError(f"selector_bn must be one of {', '.join(SELECTOR_BN_MODES)}, got {self.selector_bn!r}")
         if self.selector_epochs < 1:
             raise ConfigError(f"selector_epochs must be >= 1, got {self.selector_epochs}")
         if self.epochs < 1 or self.batch_size < 1:

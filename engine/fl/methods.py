@@ -43,7 +43,9 @@ from engine.fl.selector_calibration import (
     final_layer_keys,
     penultimate_features,
 )
+from engine.fl.selector_gamma import check_histogram_statistics, check_pass_fraction, choose_gamma, histogram_statistics
 from engine.fl.selector_training import (
+    TEMPERATURE_GRID,
     apply_temperature,
     check_calibration,
     check_temperature_statistics,
@@ -66,6 +68,8 @@ WeightSet = dict[str, Weights]
 OPTIM_PART = "selector_optim"
 #: Payload part of a site's temperature statistics (last round, ``selector_calibration="temperature"``).
 TEMPERATURE_PART = "selector_temperature"
+#: Payload part of a site's own-site confidence histogram (last round, ``gamma_pass`` set: ``--gamma auto``).
+GAMMA_PART = "selector_gamma"
 
 
 def derived_seed(*parts: object) -> int:
@@ -380,13 +384,19 @@ class FedSM(FederatedMethod):
         Adam step per round, so short runs (tens of rounds, where the paper trains hundreds)
         give it more steps this way at a fraction of a full round's cost; the segmentation
         models are neither sent nor trained in them. 0 (default) is the paper's schedule.
+    gamma_pass
+        ``None`` (default): route with ``gamma``. A fraction in (0, 1] (``--gamma auto``): the last
+        round chooses gamma from the sites' histograms of validation confidence so that this share
+        of the validation images the selector recognises passes it (:mod:`engine.fl.selector_gamma`);
+        the server keeps it in state ``"selector_gamma"`` and :meth:`routing_gamma` returns it.
     """
 
     name = "fedsm"
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
-                 selector_calibration: str = "none", selector_warmup: int = 0) -> None:
+                 selector_calibration: str = "none", selector_warmup: int = 0,
+                 gamma_pass: float | None = None) -> None:
         super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
         if not 0.0 <= gamma <= 1.0:
@@ -400,6 +410,16 @@ class FedSM(FederatedMethod):
             raise ConfigError("selector warm-up rounds need the reference selector; drop --selector-warmup or "
                               "choose --selector-calibration none or temperature")
         self.selector_warmup = selector_warmup
+        if gamma_pass is not None and not self.reference_selector:
+            raise ConfigError("--gamma auto needs the reference selector (its last layer is final before the "
+                              "last round); choose --selector-calibration none or temperature, or a number for --gamma")
+        self.gamma_pass = None if gamma_pass is None else check_pass_fraction(gamma_pass)
+
+    def routing_gamma(self, state: Mapping[str, Weights]) -> float:
+        """The gamma the super model routes with: the federation's choice when ``gamma_pass`` is set."""
+        if self.gamma_pass is not None and GAMMA_PART in state:
+            return float(state[GAMMA_PART]["gamma"][0])
+        return float(self.gamma)
 
     @property
     def reference_selector(self) -> bool:
@@ -450,12 +470,15 @@ class FedSM(FederatedMethod):
 
     def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
         parts = set(update.weights)
-        if parts <= {"selector_stats", TEMPERATURE_PART}:  # the last round's answer
+        if parts <= {"selector_stats", TEMPERATURE_PART, GAMMA_PART}:  # the last round's answer
             if "selector_stats" in parts:
                 check_statistics(update.weights["selector_stats"], self.num_selector_classes,
                                  f"selector statistics from {site}")
             if TEMPERATURE_PART in parts:
                 check_temperature_statistics(update.weights[TEMPERATURE_PART], f"temperature statistics from {site}")
+            if GAMMA_PART in parts:
+                check_histogram_statistics(update.weights[GAMMA_PART], len(self._gamma_temperatures()),
+                                           f"confidence histogram from {site}")
             check_validation_metrics(update.metrics, f"validation Dice from {site}")
             if update.num_samples <= 0:
                 raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
@@ -476,6 +499,7 @@ class FedSM(FederatedMethod):
     def _calibrate(self, state: WeightSet, updates: Mapping[str, SiteUpdate]) -> WeightSet:
         new = dict(state)
         weight_key, bias_key = final_layer_keys(self._selector_template())
+        temperature = 1.0
         if self.selector_calibration == "lda":
             stats = add_statistics([u.weights["selector_stats"] for u in updates.values()])
             new["selector"] = calibrated_selector(state["selector"], stats, weight_key, bias_key)
@@ -483,12 +507,22 @@ class FedSM(FederatedMethod):
             temperature = fit_temperature([u.weights[TEMPERATURE_PART] for u in updates.values()])
             new["selector"] = apply_temperature(state["selector"], weight_key, bias_key, temperature)
             new["selector_calibration"] = {"temperature": torch.tensor([temperature], dtype=torch.float64)}
+        if self.gamma_pass is not None:
+            temps = self._gamma_temperatures()
+            row = temps.index(temperature) if self.selector_calibration == "temperature" else 0
+            chosen = choose_gamma([u.weights[GAMMA_PART] for u in updates.values()], self.gamma_pass,
+                                  self.num_selector_classes, row)
+            new[GAMMA_PART] = {k: torch.tensor([v], dtype=torch.float64) for k, v in chosen.items()}
         dice = {f"{site}.{which}": torch.tensor([u.metrics[f"val_dice_{which}"]], dtype=torch.float64)
                 for site, u in updates.items() for which in ("global", "personal")
                 if f"val_dice_{which}" in u.metrics}
         if dice:
             new["validation_dice"] = {**state.get("validation_dice", {}), **dice}
         return new
+
+    def _gamma_temperatures(self) -> tuple[float, ...]:
+        """Temperatures a site's confidence histogram has rows for: the grid when temperature scaling is fitted."""
+        return tuple(TEMPERATURE_GRID) if self.selector_calibration == "temperature" else (1.0,)
 
     def _selector_template(self) -> Any:
         return build_selector(self.task.in_channels, self.num_selector_classes, self.training.selector_head)  # type: ignore[arg-type]
@@ -525,11 +559,15 @@ class FedSM(FederatedMethod):
         parts: WeightSet = {}
         if self.selector_calibration == "lda":
             parts = self._statistics_update(instructions, site, np.full(n, site.index)).weights
-        elif self.selector_calibration == "temperature":
+        elif self.selector_calibration == "temperature" or self.gamma_pass is not None:
             val = site.validation
             images = val.images if val is not None and len(val.images) else site.train.images
             logits = selector_logits(self.task, w["selector"], self.num_selector_classes, images, self.training)
-            parts = {TEMPERATURE_PART: temperature_statistics(logits, np.full(len(images), site.index))}
+            labels = np.full(len(images), site.index)
+            if self.selector_calibration == "temperature":
+                parts[TEMPERATURE_PART] = temperature_statistics(logits, labels)
+            if self.gamma_pass is not None:
+                parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
         return SiteUpdate(parts, n, metrics)
 
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,

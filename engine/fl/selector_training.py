@@ -119,6 +119,19 @@ def adam_step_from_state(net: torch.nn.Module, state: Mapping[str, torch.Tensor]
     return out
 
 
+def refresh_batchnorm_statistics(net: torch.nn.Module) -> None:
+    """Make ``net``'s BatchNorm layers re-estimate their running statistics over the coming pass.
+
+    Running mean and variance are reset and then accumulated as a cumulative average of the
+    batches' statistics (``momentum=None``), so after the pass they describe this selector on
+    this site's images, not an exponential average dominated by earlier rounds' values.
+    """
+    for m in net.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            m.reset_running_stats()
+            m.momentum = None
+
+
 # --- the site's round -------------------------------------------------------------------------
 def reference_selector_round(
     task: TaskSpec,
@@ -163,6 +176,8 @@ def reference_selector_round(
     net.to(device.torch_device).train()
     if cfg.selector_bn == "running" or len(images) < 2:  # one image has no batch statistics
         freeze_batchnorm_statistics(net)
+    elif cfg.selector_bn == "fresh":
+        refresh_batchnorm_statistics(net)
     # "batch" (default): the reference's train mode, BatchNorm normalises with each single-site batch's
     # statistics and updates the running ones, which FedAvg then averages across sites
     small = selector_inputs(images, cfg.selector_size)

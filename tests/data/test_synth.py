@@ -330,3 +330,21 @@ def test_prostate_volumes_are_in_ras_order_so_a_diagonal_affine_places_the_anato
     i, j, _ = np.argwhere(label).mean(axis=0)
     assert abs(i - (size - 1 - to_index(col_c))) < 1.0  # columns grow to the patient's left = -x
     assert abs(j - (size - 1 - to_index(row_c))) < 1.0  # rows grow posteriorly = -y
+
+
+def test_cases_scale_multiplies_every_site_keeping_each_case_and_is_part_of_the_match(fundus3, tmp_path):
+    out, _, _ = fundus3
+    paths = generate_federation("fundus", 3, tmp_path, image_size=64, seed=0, cases_scale=2)
+    for k, (path, profile) in enumerate(zip(paths, FUNDUS_PROFILES[:3], strict=True)):
+        sections = load_datalist(path)
+        assert sum(len(v) for v in sections.values()) == 2 * profile.cases
+        counts = [len(sections[s]) for s in ("training", "validation", "testing")]
+        assert counts == list(split_counts(2 * profile.cases))
+        # case i is the same image at every scale
+        same = f"site{k + 1}/images/case000.png"
+        assert (tmp_path / same).read_bytes() == (out / same).read_bytes()
+    assert existing_federation(tmp_path, "fundus", 3, 64, 0, cases_scale=2) == paths
+    assert existing_federation(tmp_path, "fundus", 3, 64, 0) is None
+    assert existing_federation(out, "fundus", 3, 64, 0, cases_scale=2) is None
+    with pytest.raises(ConfigError, match="cases_scale"):
+        generate_federation("fundus", 3, tmp_path / "x", image_size=32, cases_scale=0)

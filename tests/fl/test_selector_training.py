@@ -183,3 +183,32 @@ def test_best_round_keeper_skips_warmup_rounds_and_substitutes_after_training(ti
     assert last_training_round(method) == 5
     with pytest.raises(ConfigError, match="warm-up"):
         FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, selector_calibration="lda", selector_warmup=1)
+
+
+def test_fresh_batchnorm_statistics_forget_the_incoming_ones(tiny_training):
+    from dataclasses import replace
+
+    from engine.fl.selector_training import refresh_batchnorm_statistics
+
+    bn = torch.nn.BatchNorm1d(2)
+    bn.running_mean.fill_(100.0)
+    refresh_batchnorm_statistics(bn)
+    bn.train()
+    a, b = torch.tensor([[0.0, 1.0], [2.0, 3.0]]), torch.tensor([[4.0, 1.0], [6.0, 5.0], [8.0, 3.0]])
+    bn(a)
+    bn(b)
+    # cumulative average of the two batches' statistics (unbiased variances), nothing of the old 100
+    assert torch.allclose(bn.running_mean, (a.mean(0) + b.mean(0)) / 2)
+    assert torch.allclose(bn.running_var, (a.var(0) + b.var(0)) / 2)
+
+    method = FedSM(FUNDUS, ["a", "b"], replace(tiny_training, selector_bn="fresh"), lam=0.5)
+    state = method.initial_state()
+    data = random_split(6, seed=2)
+    stale = {k: (v + 50.0 if k.endswith("running_mean") else v) for k, v in state["selector"].items()}
+    outs = [reference_selector_round(FUNDUS, weights, state["selector_optim"], np.zeros(6, dtype=int), 2, data.images,
+                                     replace(tiny_training, selector_bn="fresh"), 0, RoundContext("fedsm", 1, "a"))[0]
+            for weights in (state["selector"], stale)]
+    means = [k for k in outs[0] if k.endswith("running_mean")]
+    assert means and all(torch.allclose(outs[0][k], outs[1][k]) for k in means)
+    with pytest.raises(ConfigError, match="selector_bn"):
+        replace(tiny_training, selector_bn="frozen")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from fedsm_gui import app as gui_app
@@ -50,3 +52,28 @@ def test_fedsm_gui_version(capsys):
         gui_app.parse_args(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"fedsm-gui {gui_app.__version__}"
+
+
+def _xcb_plugin_not_found() -> set[str]:
+    """Sonames the dynamic loader cannot resolve for PySide6's xcb plugin, as ``ldd`` reports them."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import PySide6
+
+    plugin = Path(PySide6.__file__).parent / "Qt" / "plugins" / "platforms" / "libqxcb.so"
+    ldd = shutil.which("ldd")
+    if not sys.platform.startswith("linux") or ldd is None or not plugin.is_file():
+        pytest.skip("needs Linux, ldd and PySide6's xcb plugin")
+    out = subprocess.run([ldd, str(plugin)], capture_output=True, text=True, timeout=30, check=True).stdout
+    return {line.split("=>")[0].strip() for line in out.splitlines() if "not found" in line}
+
+
+def test_check_names_every_library_the_loader_cannot_find_for_the_real_plugin():
+    """On this machine, against the real loader: whatever ``ldd`` cannot resolve for ``libqxcb.so``
+    (on a stock Debian 12: libxcb-icccm.so.4, libxcb-keysyms.so.1) the check reports missing too."""
+    not_found = _xcb_plugin_not_found()
+    missing = {soname for soname, _ in missing_xcb_packages()}
+    assert not_found <= set(XCB_LIBRARIES), f"the check does not know {not_found - set(XCB_LIBRARIES)}"
+    assert not_found <= missing

@@ -157,12 +157,15 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
-            gamma=float(spec.gamma), rounds=method.total_rounds,
+            gamma=float(method.routing_gamma(state)) if spec.method == "fedsm" else 0.6 if spec.gamma == "auto"
+            else float(spec.gamma), rounds=method.total_rounds,
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
-                   "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop})
+                   "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop,
+                   **({"gamma_choice": {k: float(v[0]) for k, v in state["selector_gamma"].items()}}
+                      if "selector_gamma" in state else {})})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
