@@ -32,3 +32,26 @@ def tiny_training():
     from engine.fl.local_training import LocalTrainingConfig
 
     return LocalTrainingConfig(epochs=1, batch_size=4, lr=1e-3, selector_lr=1e-4, selector_size=32, device="cpu")
+
+
+
+#: Tests that start federation processes (SuperLink, SuperNodes, sites) or time them run one after
+#: another on a single pytest-xdist worker, never beside each other, while the other worker takes
+#: the rest of the suite (``-n 2`` in pyproject.toml). Every other module also stays on one worker
+#: (a fuzz module's last test checks what its other tests counted).
+SERIAL_GROUP_DIRS = ("tests/federation/",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's per-file scheduling, with all of ``SERIAL_GROUP_DIRS`` as one scope."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class FederationTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for folder in SERIAL_GROUP_DIRS:
+                if nodeid.startswith(folder):
+                    return folder
+            return super()._split_scope(nodeid)
+
+    return FederationTogether(config, log)
