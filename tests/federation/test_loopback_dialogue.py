@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from fed_fixtures import fed_data, pki  # noqa: F401
-from harness import CoordinatorThread, LoopbackFederation, Processes, wait_for
+from harness import CoordinatorThread, LoopbackFederation, Processes, dialogue_replies, wait_for
 
 from engine.federation.events import read_events
 from engine.federation.flower.fleet_listener import read_recorded
@@ -104,38 +104,13 @@ def simulate(method: str, datalists, training, out) -> dict:
 
 def check_uploads_are_activations_and_masks(requests: list[tuple[str, bytes]]) -> None:
     """Rebuild every message the sites sent; answers to exchanges hold activations and masks only."""
-    from flwr.app import Message
-    from flwr.proto.fleet_pb2 import PushMessagesRequest
-    from flwr.proto.message_pb2 import PushObjectRequest
-    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
-
-    from engine.federation.flower import records
-    from engine.federation.flower.dialogue import REPLY_PART
     from engine.fl.blackfed_nets import build_client_net, build_server_net
 
     params = {tuple(p.shape) for net in (build_client_net(3, 16), build_server_net(16, 2)) for p in net.parameters()}
-    objects: dict[str, bytes] = {}
-    trees = []
-    for path, body in requests:
-        if path.endswith("/push-object"):
-            req = PushObjectRequest.FromString(body)
-            objects[req.object_id] = req.object_content
-        elif path.endswith("/push-messages"):
-            trees += list(PushMessagesRequest.FromString(body).message_object_trees)
     answers = 0
-    for tree in trees:
-        message = inflate_object_from_contents(
-            tree.object_id, {t.object_id: objects[t.object_id] for t in iterate_object_tree(tree)},
-            keep_object_contents=True)
-        assert isinstance(message, Message)
-        content = message.content
-        assert set(content.array_records) <= {records.WEIGHTS_PREFIX + REPLY_PART}
-        for key in content.array_records:
-            tensors = records.unpack(content.array_records[key],
-                                     content.config_records[records.LAYOUT][REPLY_PART], "reply")
-            assert set(tensors) == {"activations", "masks"}
-            assert tensors["activations"].shape[1] == 16 and tensors["activations"].shape[2:] == (32, 32)
-            assert all(tuple(t.shape) not in params for t in tensors.values())
-            answers += 1
+    for tensors in dialogue_replies(requests):
+        assert set(tensors) == {"activations", "masks"}
+        assert tensors["activations"].shape[1] == 16 and tensors["activations"].shape[2:] == (32, 32)
+        assert all(tuple(t.shape) not in params for t in tensors.values())
+        answers += 1
     assert answers >= 2 * 2  # two sites, at least a client and a server exchange each
