@@ -11,10 +11,16 @@ index into those predictions. Reported:
   (label = the image's site), and its accuracy there;
 - ``routing_per_gamma``: per gamma, the fraction of seen images routed to the global model, to
   their own site's model and to another site's model, and the fraction of unseen images
-  routed to the global model (guard off: the selector alone);
+  routed to the global model (guard off: the selector alone); with a site-style gate
+  (:mod:`engine.fl.style_gate`) each row also has ``seen_gated`` / ``unseen_gated``, the same
+  with the gate applied;
+- ``style_gate``: the gate's threshold and quantile and the share of seen and unseen images it
+  found unlike every participating site;
 - ``dice``: at the run's gamma, client-average test Dice of the super model with the routing
   guard on and off, of the global model alone and, for the unseen site, the same three (Dice
-  per case as everywhere in the report: slices of a volume are scored together).
+  per case as everywhere in the report: slices of a volume are scored together). With a gate,
+  ``guard_on`` / ``guard_off`` route as the super model does (gate applied) and
+  ``gate_off`` is the guarded routing by the selector alone.
 """
 
 from __future__ import annotations
@@ -47,17 +53,23 @@ class SiteImages:
 class _Scored:
     probs: np.ndarray  # (N, K) selector softmax
     masks: np.ndarray  # (models, N, L, H, W) every model's masks
+    unlike: np.ndarray  # (N,) bool: the style gate finds the image unlike every site (False without a gate)
 
 
 def _score(predictor: Any, site: SiteImages) -> _Scored:
     """Selector probabilities and every model's masks for one site's images."""
     masks = []
-    probs = None
+    probs = unlike = None
     for model in range(predictor.num_models):
         pred = predictor.predict(site.images, force_model=model, routing_guard=False)
         probs = pred.probabilities if probs is None else probs
+        unlike = pred.unlike_sites if unlike is None else unlike
         masks.append(pred.masks)
-    return _Scored(np.asarray(probs), np.stack(masks))
+    return _Scored(np.asarray(probs), np.stack(masks), np.asarray(unlike, dtype=bool))
+
+
+def _gated(routed: np.ndarray, unlike: np.ndarray) -> np.ndarray:
+    return np.where(unlike, 0, routed).astype(np.int64)
 
 
 def _routed_dice(scored: _Scored, routed: np.ndarray, site: SiteImages) -> float:
@@ -87,33 +99,51 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
     }
     if unseen_scored is not None:
         out["confidence"]["unseen"] = confidence_summary(unseen_scored.probs.max(1))
+    gate = bool(meta.style_gate)
+    unlike = np.concatenate([sc.unlike for sc in seen_scored]) if seen_scored else np.zeros(0, dtype=bool)
+    if gate:
+        out["style_gate"] = {"threshold": meta.style_gate["threshold"], "quantile": meta.style_gate["quantile"],
+                             "sites": list(meta.style_gate["sites"]),
+                             "seen_unlike": float(unlike.mean()) if len(unlike) else float("nan"),
+                             **({"unseen_unlike": float(unseen_scored.unlike.mean())}
+                                if unseen_scored is not None else {})}
+
+    def shares(routed: np.ndarray) -> dict[str, float]:
+        return {"global": float((routed == 0).mean()), "own_site": float((routed == labels + 1).mean()),
+                "other_site": float(((routed != 0) & (routed != labels + 1)).mean())}
 
     per_gamma = []
     for g in sorted({float(x) for x in gammas} | {float(gamma)}):  # the run's gamma has its row too
         routed = route_fedsm(probs, g)
-        row: dict[str, Any] = {"gamma": float(g),
-                               "seen": {"global": float((routed == 0).mean()),
-                                        "own_site": float((routed == labels + 1).mean()),
-                                        "other_site": float(((routed != 0) & (routed != labels + 1)).mean())}}
+        row: dict[str, Any] = {"gamma": float(g), "seen": shares(routed)}
+        if gate:
+            row["seen_gated"] = shares(_gated(routed, unlike))
         if unseen_scored is not None:
             r_u = route_fedsm(unseen_scored.probs, g)
             row["unseen"] = {"global": float((r_u == 0).mean()), "site": float((r_u != 0).mean())}
+            if gate:
+                r_g = _gated(r_u, unseen_scored.unlike)
+                row["unseen_gated"] = {"global": float((r_g == 0).mean()), "site": float((r_g != 0).mean())}
         per_gamma.append(row)
     out["routing_per_gamma"] = per_gamma
 
     decisions = guard_decisions(names, meta.site_validation)
 
     def dice_for(scored: _Scored, site: SiteImages) -> dict[str, float]:
-        chosen = route_fedsm(scored.probs, gamma)
+        selector_alone = route_fedsm(scored.probs, gamma)
+        chosen = _gated(selector_alone, scored.unlike) if gate else selector_alone
         guarded, _ = apply_guard(chosen, decisions)
-        return {"guard_on": _routed_dice(scored, guarded, site), "guard_off": _routed_dice(scored, chosen, site),
-                "global_only": _routed_dice(scored, np.zeros(len(chosen), dtype=np.int64), site)}
+        out = {"guard_on": _routed_dice(scored, guarded, site), "guard_off": _routed_dice(scored, chosen, site),
+               "global_only": _routed_dice(scored, np.zeros(len(chosen), dtype=np.int64), site)}
+        if gate:
+            out["gate_off"] = _routed_dice(scored, apply_guard(selector_alone, decisions)[0], site)
+        return out
 
     per_site = {s.name: dice_for(sc, s) for s, sc in zip(seen, seen_scored, strict=True)}
     out["dice"] = {
         "gamma": float(gamma),
         "participating": {k: float(np.mean([d[k] for d in per_site.values()])) for k in
-                          ("guard_on", "guard_off", "global_only")} if per_site else {},
+                          next(iter(per_site.values()))} if per_site else {},
         "per_site": per_site,
     }
     if unseen_scored is not None and unseen is not None:

@@ -86,6 +86,8 @@ class SimulationConfig:
     selector_epochs: int = 1
     selector_bn: str = "batch"
     routing_guard: bool = True
+    #: Site-style gate quantile (:mod:`engine.fl.style_gate`); ``None``: off.
+    style_gate: float | None = 0.95
     holdout_site: str | None = None
     slices: int | None = None
     #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
@@ -117,6 +119,10 @@ class SimulationConfig:
 
         self.gamma = parse_gamma(self.gamma)
         self.gamma_pass = check_pass_fraction(self.gamma_pass)
+        if self.style_gate is not None:
+            from engine.fl.style_gate import check_quantile
+
+            self.style_gate = check_quantile(self.style_gate)
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
@@ -280,7 +286,8 @@ class Simulation:
             auto = cfg.gamma == "auto"  # gamma chosen by the federation; 0.6 only labels the fallback
             return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam,
                            gamma=0.6 if auto else float(cfg.gamma), selector_calibration=cfg.selector_calibration,
-                           selector_warmup=cfg.selector_warmup, gamma_pass=cfg.gamma_pass if auto else None)
+                           selector_warmup=cfg.selector_warmup, gamma_pass=cfg.gamma_pass if auto else None,
+                           style_gate=cfg.style_gate)
         if name == "fedsm-extra":  # argmax routing: gamma is not used
             return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
                                 lam=cfg.lam, gamma=0.6 if cfg.gamma == "auto" else float(cfg.gamma),
@@ -491,6 +498,7 @@ class Simulation:
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
         from engine.bundle import BundleMetadata, SuperModelBundle
+        from engine.fl.style_gate import GATE_PART, gate_metadata
         from engine.inference.guard import site_validation_from_state
 
         extra_method = method.name == "fedsm-extra"
@@ -512,7 +520,9 @@ class Simulation:
             else (0.6 if self.cfg.gamma == "auto" else float(self.cfg.gamma)),
             rounds=method.total_rounds, val_dice=val_dice,
             site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
-            routing_guard=bool(self.cfg.routing_guard) and guarded, extra=details)
+            routing_guard=bool(self.cfg.routing_guard) and guarded,
+            style_gate={} if extra_method else gate_metadata(state.get(GATE_PART, {}), [s.name for s in self.sites]),
+            extra=details)
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])
 

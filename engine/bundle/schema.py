@@ -45,6 +45,7 @@ METADATA_SCHEMA: dict[str, Any] = {
         "created": _STRING,
         "engine_version": _STRING,
         "extra": {"type": "object"},
+        "style_gate": {"type": "object"},
     },
 }
 

@@ -127,6 +127,12 @@ class BundleMetadata:
         Whether inference routes to a site's personalized model only where that model beat the
         global one in ``site_validation`` (see :mod:`engine.inference.guard`); ``False`` in
         bundles written before the guard existed, so they route as they always did.
+    style_gate
+        The site-style gate (:mod:`engine.fl.style_gate`), or ``{}`` (none: older bundles, or
+        trained with ``--style-gate off``): ``descriptor`` (layout name), ``sites`` (the sites
+        the gate knows, a subset of ``site_names``), ``means`` (one descriptor mean per such
+        site), ``precision`` (the shared precision matrix), ``threshold`` (squared distance
+        above which an image goes to the global model; ``null``: no limit) and ``quantile``.
     created
         Creation time, ISO 8601 UTC.
     engine_version
@@ -153,6 +159,7 @@ class BundleMetadata:
     val_dice: dict[str, float | None] = field(default_factory=dict)
     site_validation: dict[str, dict[str, float | None]] = field(default_factory=dict)
     routing_guard: bool = False
+    style_gate: dict[str, Any] = field(default_factory=dict)
     created: str = field(default_factory=_utc_now)
     engine_version: str = engine.__version__
     extra: dict[str, Any] = field(default_factory=dict)
@@ -165,6 +172,7 @@ class BundleMetadata:
         self.val_dice = dict(self.val_dice)
         self.site_validation = {k: dict(v) if isinstance(v, dict) else v for k, v in dict(self.site_validation).items()}
         self.extra = dict(self.extra)
+        self.style_gate = dict(self.style_gate)
         if not self.normalisation:
             self.normalisation = get_task(self.task).normalisation
         self.validate()
@@ -268,6 +276,10 @@ class BundleMetadata:
                 if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
                     raise ConfigError(f"site_validation[{site!r}][{which!r}] must be a number in [0, 1] or null, "
                                       f"got {dice!r}")
+        if self.style_gate:
+            from engine.fl.style_gate import check_gate_metadata
+
+            check_gate_metadata(self.style_gate, self.site_names, self.in_channels)
         if not isinstance(self.created, str) or not isinstance(self.engine_version, str):
             raise ConfigError("created and engine_version must be strings")
 

@@ -43,6 +43,15 @@ def _gamma(text: str) -> float | str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _style_gate(text: str) -> float | None:
+    from engine.fl.style_gate import parse_style_gate
+
+    try:
+        return parse_style_gate(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_options(items: list[str]) -> dict[str, Any]:
     """``["blackfed_client_epochs=4", ...]`` -> ``{"blackfed_client_epochs": 4}`` (numbers parsed as JSON)."""
     import json
@@ -109,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
                         "validation data (default on)")
+    p.add_argument("--style-gate", type=_style_gate, default=0.95, metavar="QUANTILE|off",
+                   help="FedSM: send images unlike every participating site's images (a federated Gaussian "
+                        "of intensity statistics) to the global model; the threshold lets this share of the "
+                        "sites' validation images through (default 0.95; 'off' routes by the selector alone)")
     p.add_argument("--slices", type=int, default=None,
                    help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
@@ -235,7 +248,8 @@ def _run(args: argparse.Namespace) -> int:
                     dp_noise=args.dp_noise, dp_epsilon=args.dp_epsilon, dp_clip=args.dp_clip,
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
-                    routing_guard=args.routing_guard, holdout_site=args.holdout_site, slices=args.slices,
+                    routing_guard=args.routing_guard, style_gate=args.style_gate,
+                    holdout_site=args.holdout_site, slices=args.slices,
                     device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop,
                     options=parse_options(args.options))
         finally:

@@ -52,6 +52,9 @@ class MethodSpec:
     selector_epochs: int = 1
     selector_bn: str = "batch"
     routing_guard: bool = True
+    #: FedSM's site-style gate: the quantile of the sites' validation distances it lets through, or
+    #: ``"off"`` / ``false`` (engine.fl.style_gate)
+    style_gate: float | None = 0.95
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = "none"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
@@ -87,6 +90,9 @@ class MethodSpec:
 
         object.__setattr__(self, "gamma", parse_gamma(self.gamma))
         object.__setattr__(self, "gamma_pass", check_pass_fraction(self.gamma_pass))
+        from engine.fl.style_gate import parse_style_gate
+
+        object.__setattr__(self, "style_gate", parse_style_gate(self.style_gate))
         from engine.data.disc_crop import check_mode
 
         check_mode(self.fundus_crop)
@@ -183,7 +189,8 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     if spec.method == "fedsm":
         return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                        gamma=0.6 if auto else float(spec.gamma), selector_calibration=spec.selector_calibration,
-                       selector_warmup=int(spec.selector_warmup), gamma_pass=spec.gamma_pass if auto else None)
+                       selector_warmup=int(spec.selector_warmup), gamma_pass=spec.gamma_pass if auto else None,
+                       style_gate=spec.style_gate)
     if spec.method == "fedsm-extra":  # argmax routing: gamma is not used
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                             gamma=0.6 if auto else float(spec.gamma), extra_rounds=int(spec.extra_rounds or 1))

@@ -55,6 +55,20 @@ from engine.fl.selector_training import (
     selector_logits,
     temperature_statistics,
 )
+from engine.fl.style_gate import (
+    GATE_PART,
+    HIST_PART,
+    STATS_PART,
+    check_distance_histogram,
+    check_quantile,
+    check_style_statistics,
+    distance_histogram,
+    fit_style_gate,
+    style_descriptors,
+    style_distances,
+    style_statistics,
+    threshold_from_histograms,
+)
 from engine.fl.weights import Weights, all_finite, check_compatible, model_weights, subtract
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec
@@ -389,6 +403,13 @@ class FedSM(FederatedMethod):
         round chooses gamma from the sites' histograms of validation confidence so that this share
         of the validation images the selector recognises passes it (:mod:`engine.fl.selector_gamma`);
         the server keeps it in state ``"selector_gamma"`` and :meth:`routing_gamma` returns it.
+    style_gate
+        ``None`` (off): route by the selector alone. A quantile in (0, 1]: the site-style gate
+        (:mod:`engine.fl.style_gate`). Every training and warm-up round each site also sends its
+        training images' descriptor sums (part ``"style_stats"``; the server keeps the latest per
+        site in state ``"style_stats"`` and refits state ``"style_gate"``); the last round sends a
+        histogram of its validation images' distances (part ``"style_hist"``), from which the
+        server sets the gate's threshold at this quantile. Images beyond it go to the global model.
     """
 
     name = "fedsm"
@@ -396,7 +417,7 @@ class FedSM(FederatedMethod):
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
                  selector_calibration: str = "none", selector_warmup: int = 0,
-                 gamma_pass: float | None = None) -> None:
+                 gamma_pass: float | None = None, style_gate: float | None = None) -> None:
         super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
         if not 0.0 <= gamma <= 1.0:
@@ -414,6 +435,7 @@ class FedSM(FederatedMethod):
             raise ConfigError("--gamma auto needs the reference selector (its last layer is final before the "
                               "last round); choose --selector-calibration none or temperature, or a number for --gamma")
         self.gamma_pass = None if gamma_pass is None else check_pass_fraction(gamma_pass)
+        self.style_quantile = None if style_gate is None else check_quantile(style_gate)
 
     def routing_gamma(self, state: Mapping[str, Weights]) -> float:
         """The gamma the super model routes with: the federation's choice when ``gamma_pass`` is set."""
@@ -456,19 +478,23 @@ class FedSM(FederatedMethod):
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
         phase = self.phase(rnd)
+        style = self.style_quantile is not None
         if phase == "calibrate":
-            return SiteInstructions(rnd, {"global": state["global"], "personal": state[f"personal/{site}"],
-                                          "selector": state["selector"]},
-                                    {"phase": "calibrate", "calibration": self.selector_calibration})
+            weights = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+            if style and state.get(GATE_PART):
+                weights[GATE_PART] = {k: v for k, v in state[GATE_PART].items() if k in ("means", "precision", "sites")}
+            return SiteInstructions(rnd, weights, {"phase": "calibrate", "calibration": self.selector_calibration})
         if phase == "selector":
             return SiteInstructions(rnd, {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]},
-                                    {"phase": "selector"})
+                                    {"phase": "selector", "style": style})
         weights = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
         if self.reference_selector:
             weights[OPTIM_PART] = state[OPTIM_PART]
-        return SiteInstructions(rnd, weights, {"phase": "train"})
+        return SiteInstructions(rnd, weights, {"phase": "train", "style": style})
 
     def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
+        if self.style_quantile is not None:
+            update = self._checked_style_parts(site, update)
         parts = set(update.weights)
         if parts <= {"selector_stats", TEMPERATURE_PART, GAMMA_PART}:  # the last round's answer
             if "selector_stats" in parts:
@@ -490,11 +516,49 @@ class FedSM(FederatedMethod):
         else:
             super().validate_update(state, site, update)
 
+    def _checked_style_parts(self, site: str, update: SiteUpdate) -> SiteUpdate:
+        """Check the style gate's parts of ``update`` and return the update without them.
+
+        A training or warm-up answer must carry the site's descriptor sums; a last-round answer
+        carries its distance histogram when the site received the gate.
+        """
+        weights = dict(update.weights)
+        stats, hist = weights.pop(STATS_PART, None), weights.pop(HIST_PART, None)
+        last_round = set(weights) <= {"selector_stats", TEMPERATURE_PART, GAMMA_PART}
+        if last_round:
+            if stats is not None:
+                raise ConfigError(f"update from {site} sends style statistics in the last round")
+            if hist is not None:
+                check_distance_histogram(hist, f"style distance histogram from {site}")
+        else:
+            if hist is not None:
+                raise ConfigError(f"update from {site} sends a style distance histogram outside the last round")
+            if stats is None:
+                raise ConfigError(f"update from {site} lacks its style statistics (part {STATS_PART!r}); the "
+                                  "federation runs the site-style gate, so every training round must carry them")
+            check_style_statistics(stats, self.task.in_channels, f"style statistics from {site}")
+        return SiteUpdate(weights, update.num_samples, update.metrics)
+
     def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
         out = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
         if self.reference_selector:
             out[OPTIM_PART] = state[OPTIM_PART]
         return out
+
+    def _keep_style_statistics(self, state: WeightSet, new: WeightSet, updates: Mapping[str, SiteUpdate]) -> None:
+        """Store each answering site's latest descriptor sums and refit the gate from every site's latest."""
+        if self.style_quantile is None:
+            return
+        kept = dict(state.get(STATS_PART, {}))
+        for site, u in updates.items():
+            if STATS_PART in u.weights:
+                kept |= {f"{site}.{k}": v for k, v in u.weights[STATS_PART].items()}
+        new[STATS_PART] = kept
+        per_site = [{k: kept[f"{s}.{k}"] for k in ("count", "sum", "outer")} if f"{s}.count" in kept else None
+                    for s in self.site_names]
+        gate = fit_style_gate(per_site)
+        if gate:
+            new[GATE_PART] = gate
 
     def _calibrate(self, state: WeightSet, updates: Mapping[str, SiteUpdate]) -> WeightSet:
         new = dict(state)
@@ -513,6 +577,11 @@ class FedSM(FederatedMethod):
             chosen = choose_gamma([u.weights[GAMMA_PART] for u in updates.values()], self.gamma_pass,
                                   self.num_selector_classes, row)
             new[GAMMA_PART] = {k: torch.tensor([v], dtype=torch.float64) for k, v in chosen.items()}
+        if self.style_quantile is not None and new.get(GATE_PART):
+            threshold = threshold_from_histograms([u.weights[HIST_PART] for u in updates.values()
+                                                   if HIST_PART in u.weights], self.style_quantile)
+            new[GATE_PART] = {**new[GATE_PART], "threshold": torch.tensor([threshold], dtype=torch.float64),
+                              "quantile": torch.tensor([self.style_quantile], dtype=torch.float64)}
         dice = {f"{site}.{which}": torch.tensor([u.metrics[f"val_dice_{which}"]], dtype=torch.float64)
                 for site, u in updates.items() for which in ("global", "personal")
                 if f"val_dice_{which}" in u.metrics}
@@ -533,6 +602,7 @@ class FedSM(FederatedMethod):
             return self._calibrate(state, updates)
         new = dict(state)
         new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
+        self._keep_style_statistics(state, new, updates)
         if phase == "selector":
             new[OPTIM_PART] = fedavg([(u.weights[OPTIM_PART], u.num_samples) for u in updates.values()])
             return new
@@ -568,6 +638,11 @@ class FedSM(FederatedMethod):
                 parts[TEMPERATURE_PART] = temperature_statistics(logits, labels)
             if self.gamma_pass is not None:
                 parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
+        if GATE_PART in w:
+            val = site.validation
+            images = val.images if val is not None and len(val.images) else site.train.images
+            distances, _ = style_distances(style_descriptors(images), w[GATE_PART])
+            parts[HIST_PART] = distance_histogram(distances)
         return SiteUpdate(parts, n, metrics)
 
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
@@ -582,7 +657,8 @@ class FedSM(FederatedMethod):
             sel, optim, sel_metrics = reference_selector_round(
                 self.task, w["selector"], w[OPTIM_PART], np.full(len(site.train.images), site.index),
                 self.num_selector_classes, site.train.images, self.training, derived_seed(seed, "selector"), ctx)
-            return SiteUpdate({"selector": sel, OPTIM_PART: optim}, len(site.train.images), sel_metrics)
+            return SiteUpdate({"selector": sel, OPTIM_PART: optim, **self._style_part(instructions, site)},
+                              len(site.train.images), sel_metrics)
         glob, pers, sel, metrics = train_fedsm_round(
             self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
             site.train, self.round_training(instructions.round), seed, ctx, train_selector=not self.reference_selector)
@@ -594,7 +670,12 @@ class FedSM(FederatedMethod):
                 self.training, derived_seed(seed, "selector"), ctx)
             parts |= {"selector": sel, OPTIM_PART: optim}
             metrics |= sel_metrics
-        return SiteUpdate(parts, len(site.train.images), metrics)
+        return SiteUpdate(parts | self._style_part(instructions, site), len(site.train.images), metrics)
+
+    @staticmethod
+    def _style_part(instructions: SiteInstructions, site: SiteRuntime) -> WeightSet:
+        """The site's descriptor sums when the federation runs the style gate (else nothing)."""
+        return {STATS_PART: style_statistics(site.train.images)} if instructions.config.get("style") else {}
 
 
 def site_validation_dice(task: TaskSpec, weights: Mapping[str, Weights], site: SiteRuntime,

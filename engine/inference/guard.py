@@ -69,7 +69,8 @@ def apply_guard(routed: np.ndarray, decisions: Sequence[GuardDecision]) -> tuple
 
 def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, gamma: float | None,
                     model_names: Sequence[str], decisions: Sequence[GuardDecision] | None,
-                    forced: bool = False, argmax: bool = False) -> list[str]:
+                    forced: bool = False, argmax: bool = False,
+                    unlike_sites: np.ndarray | None = None) -> list[str]:
     """One sentence per image saying why it went to the model that segmented it.
 
     Parameters
@@ -78,6 +79,8 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         The routing rule's choice before the guard; ``final`` after it.
     decisions
         The guard's decisions, or ``None`` when the guard is off.
+    unlike_sites
+        ``bool (N,)``: images the site-style gate sent to global (``None``: no gate).
     """
     conf = np.asarray(probs).max(axis=1) if len(probs) else np.zeros(0)
     out = []
@@ -87,6 +90,9 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
             out.append(f"{name}: chosen by the user")
         elif argmax:
             out.append(f"{name}: most likely model for the selector (p {conf[i]:.2f})")
+        elif unlike_sites is not None and unlike_sites[i]:
+            out.append(f"global (style gate): the image is unlike every participating site's images "
+                       f"(selector confidence {conf[i]:.2f})")
         elif int(c) == 0:
             out.append(f"global: selector confidence {conf[i]:.2f} <= gamma {gamma:.2f}")
         elif decisions is None:

@@ -18,6 +18,7 @@ from torch import nn
 from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
+from engine.fl.style_gate import outside_gate
 from engine.inference.device import resolve_device
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
@@ -49,6 +50,9 @@ class Prediction:
     guarded
         ``bool (N,)``: images the routing guard sent to the global model instead of the
         personalized model the selector chose.
+    unlike_sites
+        ``bool (N,)``: images the site-style gate found unlike every participating site's images
+        (:mod:`engine.fl.style_gate`); they go to the global model. All ``False`` without a gate.
     """
 
     masks: np.ndarray
@@ -57,6 +61,7 @@ class Prediction:
     confidence: np.ndarray
     reasons: list[str] = field(default_factory=list)
     guarded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    unlike_sites: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
 
     def routed_names(self, site_names: Sequence[str]) -> list[str]:
         """Name of the model used per image: ``"global"`` or the site's name."""
@@ -212,6 +217,7 @@ class SuperModelPredictor:
         progress: ProgressCallback | None = None,
         cancel: CancelCheck | None = None,
         routing_guard: bool | None = None,
+        style_gate: bool | None = None,
     ) -> Prediction:
         """Segment ``images`` with the routed super model.
 
@@ -236,6 +242,10 @@ class SuperModelPredictor:
             Route to a site's personalized model only where it beat the global model on the
             site's validation data (:mod:`engine.inference.guard`); ``None`` uses the bundle's
             setting. Only FedSM (gamma) bundles have a guard.
+        style_gate
+            Send images unlike every participating site's images to the global model (the
+            bundle's site-style gate, :mod:`engine.fl.style_gate`); ``None`` uses it when the
+            bundle has one, ``False`` routes by the selector alone.
 
         Returns
         -------
@@ -284,6 +294,11 @@ class SuperModelPredictor:
                 step(sl.stop - sl.start)
 
             guard_on = meta.routing_guard if routing_guard is None else bool(routing_guard)
+            gate_on = bool(meta.style_gate) and (style_gate is None or bool(style_gate))
+            unlike = np.zeros(n, dtype=bool)
+            if self.selector is not None and meta.style_gate and meta.routing == "gamma":
+                # computed whenever the bundle has a gate, so forced and ungated runs still report it
+                unlike = outside_gate(resize_images(arr, meta.image_size), meta.style_gate, meta.site_names)
             decisions = None
             if self.selector is None:  # a single-model bundle
                 chosen = np.zeros(n, dtype=np.int64)
@@ -294,12 +309,15 @@ class SuperModelPredictor:
                 chosen = route_fedsm_extra(probs)
             else:
                 chosen = route_fedsm(probs, threshold)
+                if gate_on:
+                    chosen = np.where(unlike, 0, chosen).astype(np.int64)
                 if guard_on:
                     decisions = guard_decisions(meta.site_names, meta.site_validation)
             routed, guarded = (apply_guard(chosen, decisions) if decisions is not None
                                else (chosen, np.zeros(n, dtype=bool)))
             reasons = routing_reasons(chosen, routed, probs, threshold, meta.model_names, decisions,
-                                      forced=force_model is not None, argmax=meta.routing == "argmax")
+                                      forced=force_model is not None, argmax=meta.routing == "argmax",
+                                      unlike_sites=unlike if gate_on else None)
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))
@@ -318,6 +336,7 @@ class SuperModelPredictor:
             confidence=confidence(probs).astype(np.float32),
             reasons=reasons,
             guarded=guarded,
+            unlike_sites=unlike,
         )
 
     @staticmethod

@@ -1,0 +1,284 @@
+"""Site-style gate: does an image look like ANY participating site's images at all?
+
+FedSM's selector is a K-way classifier; trained by the reference scheme it is unsure of an unseen
+site's images on some data (fundus) but sure of them on other data (a GroupNorm selector, or
+prostate with batch statistics: docs/results.md, "Selector (leave-one-site-out)"). A classifier
+trained on K sites has no notion of "none of them". This gate adds one, from statistics a
+federation can aggregate (no image and no per-image value leaves a site):
+
+1. **Descriptor.** Each image (at the U-Nets' input size, after the task's normalisation) is
+   described by the acquisition-style statistics that distinguish scanners, cameras and
+   protocols: per channel the mean, standard deviation, the 5/25/50/75/95% intensity quantiles
+   and the mean absolute horizontal and vertical intensity step (sharpness). 9 numbers per
+   channel: 27 for a fundus photo, 9 for an MRI slice.
+2. **Model.** Each site sends, every training round, the count, sum and sum of outer products
+   of its training images' descriptors (``d + d*d + 1`` numbers; 6 KB for fundus). The server
+   fits one Gaussian per site: the site's mean and the within-site covariance pooled over sites
+   (as LDA pools it), shrunk towards a scaled identity (:data:`SHRINKAGE`) because sites hold
+   tens of images and a descriptor has up to 27 dimensions.
+3. **Threshold.** In the last (calibration) round each site receives the fitted means and
+   precision, computes the squared Mahalanobis distance of each of its validation images to the
+   nearest site mean, and sends a histogram of those distances (:data:`DISTANCE_EDGES`,
+   log-spaced). The server sets the threshold at the ``quantile`` (default 0.95) of the summed
+   histogram: 95% of the participating sites' own validation images are "like a site".
+4. **Routing.** At inference an image whose distance exceeds the threshold goes to the global
+   model whatever the selector says (the reason says so); the others are routed by Algorithm 2.
+
+Measured in docs/results.md ("Site-style gate"). Not in the FedSM paper; the field's feature-
+distance OOD score (Lee et al., NeurIPS 2018) on hand-built style features instead of a network's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from engine.errors import ConfigError
+
+#: Descriptor layout recorded in bundles; change it when :func:`style_descriptors` changes.
+DESCRIPTOR = "intensity-v1"
+
+#: Intensity quantiles of the descriptor.
+QUANTILES: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
+
+#: Descriptor values per image channel: mean, std, the quantiles, mean |dx|, mean |dy|.
+PER_CHANNEL = 4 + len(QUANTILES)
+
+#: Shrinkage of the pooled covariance towards ``trace / d * I`` (0: none, 1: identity-scaled).
+SHRINKAGE = 0.1
+
+#: Default share of participating validation images the threshold lets through.
+DEFAULT_QUANTILE = 0.95
+
+#: Upper edges of the distance histogram (squared Mahalanobis distance; log-spaced, 2.3% wide);
+#: one more bin collects everything above the last edge.
+DISTANCE_EDGES: np.ndarray = np.logspace(-2, 6, 801)
+
+#: Server-state and payload part names.
+STATS_PART = "style_stats"
+GATE_PART = "style_gate"
+HIST_PART = "style_hist"
+
+
+def descriptor_size(channels: int) -> int:
+    """Length of an image's descriptor for ``channels`` image channels."""
+    return PER_CHANNEL * int(channels)
+
+
+def style_descriptors(images: np.ndarray) -> np.ndarray:
+    """Acquisition-style descriptor of each image: ``float64 (N, 9 * C)``.
+
+    Parameters
+    ----------
+    images
+        ``(N, C, H, W)`` normalised images, all at one size (the U-Nets' input size).
+    """
+    x = np.asarray(images, dtype=np.float64)
+    if x.ndim != 4:
+        raise ConfigError(f"style descriptors need (N, C, H, W) images, got shape {x.shape}")
+    n, c = x.shape[:2]
+    if n == 0:
+        return np.zeros((0, descriptor_size(c)))
+    flat = x.reshape(n, c, -1)
+    quant = np.quantile(flat, QUANTILES, axis=2).transpose(1, 2, 0)  # (N, C, Q)
+    step_x = np.abs(np.diff(x, axis=3)).reshape(n, c, -1).mean(2) if x.shape[3] > 1 else np.zeros((n, c))
+    step_y = np.abs(np.diff(x, axis=2)).reshape(n, c, -1).mean(2) if x.shape[2] > 1 else np.zeros((n, c))
+    parts = [flat.mean(2)[..., None], flat.std(2)[..., None], quant, step_x[..., None], step_y[..., None]]
+    return np.concatenate(parts, axis=2).reshape(n, -1)
+
+
+def style_statistics(images: np.ndarray) -> dict[str, torch.Tensor]:
+    """A site's descriptor sums: ``count (1,)``, ``sum (d,)``, ``outer (d, d)``, float64."""
+    f = style_descriptors(images)
+    return {"count": torch.tensor([float(len(f))], dtype=torch.float64),
+            "sum": torch.from_numpy(f.sum(0)),
+            "outer": torch.from_numpy(f.T @ f)}
+
+
+def check_style_statistics(stats: Mapping[str, torch.Tensor], channels: int, what: str) -> None:
+    """Reject descriptor sums of the wrong keys, shapes, dtypes or with non-finite values."""
+    d = descriptor_size(channels)
+    shapes = {"count": (1,), "sum": (d,), "outer": (d, d)}
+    if set(stats) != set(shapes):
+        raise ConfigError(f"{what} has keys {sorted(stats)}, expected {sorted(shapes)}")
+    for key, shape in shapes.items():
+        t = stats[key]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point():
+            raise ConfigError(f"{what}: {key} must be a float tensor of shape {shape}")
+        if not torch.isfinite(t).all():
+            raise ConfigError(f"{what}: {key} holds NaN or infinite values")
+    count = float(stats["count"][0])
+    if count < 1 or count != int(count):
+        raise ConfigError(f"{what}: count must be a whole number >= 1, got {count:g}")
+
+
+def fit_style_gate(stats: Sequence[Mapping[str, torch.Tensor] | None],
+                   shrinkage: float = SHRINKAGE) -> dict[str, torch.Tensor]:
+    """Per-site means and the shared shrunk precision from the sites' descriptor sums.
+
+    Parameters
+    ----------
+    stats
+        One entry per site in routing order; ``None`` for a site that has sent none (it is left
+        out of the gate: its images then count as unlike every site).
+
+    Returns
+    -------
+    dict
+        ``means (K', d)``, ``precision (d, d)`` and ``sites (K',)`` (routing indices 0-based of the
+        sites present), float64 / int64. Empty when no site has sent statistics.
+    """
+    present = [(k, s) for k, s in enumerate(stats) if s is not None]
+    if not present:
+        return {}
+    counts = np.array([float(s["count"][0]) for _, s in present])
+    sums = np.stack([s["sum"].double().numpy() for _, s in present])
+    outers = np.stack([s["outer"].double().numpy() for _, s in present])
+    means = sums / counts[:, None]
+    d = means.shape[1]
+    # within-site scatter: sum_k (outer_k - n_k mu_k mu_k^T); pooled over sites like LDA's covariance
+    scatter = (outers - counts[:, None, None] * np.einsum("ki,kj->kij", means, means)).sum(0)
+    dof = max(float(counts.sum()) - len(present), 1.0)
+    cov = (scatter + scatter.T) / (2 * dof)
+    scale = max(float(np.trace(cov)) / d, 1e-12)
+    shrunk = (1 - shrinkage) * cov + shrinkage * scale * np.eye(d)
+    precision = np.linalg.inv(shrunk)
+    return {"means": torch.from_numpy(means), "precision": torch.from_numpy((precision + precision.T) / 2),
+            "sites": torch.tensor([k for k, _ in present], dtype=torch.int64)}
+
+
+def style_distances(descriptors: np.ndarray, gate: Mapping[str, object]) -> tuple[np.ndarray, np.ndarray]:
+    """Squared Mahalanobis distance to the nearest site mean, and that site's routing index (0-based).
+
+    ``gate`` holds ``means``, ``precision`` and ``sites`` as tensors or nested lists.
+    """
+    means = np.asarray(_array(gate["means"]), dtype=np.float64)
+    precision = np.asarray(_array(gate["precision"]), dtype=np.float64)
+    sites = np.asarray(_array(gate["sites"]), dtype=np.int64)
+    f = np.asarray(descriptors, dtype=np.float64)
+    if len(f) == 0 or len(means) == 0:
+        return np.full(len(f), np.inf), np.full(len(f), -1, dtype=np.int64)
+    diff = f[:, None, :] - means[None, :, :]  # (N, K', d)
+    dist = np.einsum("nkd,de,nke->nk", diff, precision, diff)
+    nearest = dist.argmin(1)
+    return dist[np.arange(len(f)), nearest], sites[nearest]
+
+
+def distance_histogram(distances: np.ndarray) -> dict[str, torch.Tensor]:
+    """Counts of ``distances`` per :data:`DISTANCE_EDGES` bin (one more for the overflow): ``{"counts": (B,)}``."""
+    d = np.asarray(distances, dtype=np.float64)
+    bins = np.searchsorted(DISTANCE_EDGES, d[np.isfinite(d)], side="left")
+    counts = np.bincount(bins, minlength=len(DISTANCE_EDGES) + 1).astype(np.float64)
+    counts[-1] += float((~np.isfinite(d)).sum())
+    return {"counts": torch.from_numpy(counts)}
+
+
+def check_distance_histogram(hist: Mapping[str, torch.Tensor], what: str) -> None:
+    """Reject a distance histogram of the wrong shape or with negative, fractional or non-finite counts."""
+    if set(hist) != {"counts"}:
+        raise ConfigError(f"{what} has keys {sorted(hist)}, expected ['counts']")
+    t = hist["counts"]
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (len(DISTANCE_EDGES) + 1,) or not t.is_floating_point():
+        raise ConfigError(f"{what}: counts must be a float tensor of shape ({len(DISTANCE_EDGES) + 1},)")
+    if not torch.isfinite(t).all() or (t < 0).any() or (t != t.round()).any():
+        raise ConfigError(f"{what}: counts must be finite whole numbers >= 0")
+
+
+def threshold_from_histograms(hists: Sequence[Mapping[str, torch.Tensor]], quantile: float) -> float:
+    """The upper edge of the bin where the summed histogram first reaches ``quantile`` of its images.
+
+    ``inf`` (every image passes) when no site sent a validation image, or when the quantile falls
+    in the overflow bin.
+    """
+    check_quantile(quantile)
+    if not hists:
+        return float("inf")
+    total = np.sum([h["counts"].double().numpy() for h in hists], axis=0)
+    n = float(total.sum())
+    if n <= 0:
+        return float("inf")
+    reach = int(np.searchsorted(np.cumsum(total), quantile * n - 1e-9, side="left"))
+    return float(DISTANCE_EDGES[reach]) if reach < len(DISTANCE_EDGES) else float("inf")
+
+
+def check_quantile(quantile: float) -> float:
+    """``quantile`` if it is a number in (0, 1]; :class:`ConfigError` otherwise."""
+    if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0.0 < float(quantile) <= 1.0:
+        raise ConfigError(f"the style gate's quantile must be a number in (0, 1], got {quantile!r}")
+    return float(quantile)
+
+
+def parse_style_gate(value: object) -> float | None:
+    """A style-gate setting: ``None``, ``"off"`` or ``false`` turn it off; a number or numeric text is the quantile."""
+    if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("off", "none")):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"the style gate must be 'off' or a quantile in (0, 1], got {value!r}") from None
+    return check_quantile(value)  # type: ignore[arg-type]
+
+
+def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -> dict[str, object]:
+    """The bundle's ``style_gate`` field from the server's state part (``{}`` without a fitted gate)."""
+    if not gate or "threshold" not in gate:
+        return {}
+    threshold = float(gate["threshold"].reshape(-1)[0])
+    return {"descriptor": DESCRIPTOR,
+            "sites": [site_names[int(k)] for k in gate["sites"].tolist()],
+            "means": gate["means"].double().tolist(),
+            "precision": gate["precision"].double().tolist(),
+            "threshold": threshold if np.isfinite(threshold) else None,
+            "quantile": float(gate["quantile"].reshape(-1)[0])}
+
+
+def check_gate_metadata(meta: Mapping[str, object], site_names: Sequence[str], channels: int) -> None:
+    """Check a bundle's ``style_gate`` field; :class:`ConfigError` names the first problem."""
+    keys = {"descriptor", "sites", "means", "precision", "threshold", "quantile"}
+    if set(meta) != keys:
+        raise ConfigError(f"style_gate must have the keys {sorted(keys)}, got {sorted(meta)}")
+    if meta["descriptor"] != DESCRIPTOR:
+        raise ConfigError(f"style_gate uses descriptor {meta['descriptor']!r}; this FedSM computes {DESCRIPTOR!r}")
+    sites = meta["sites"]
+    if not isinstance(sites, list) or not sites or not all(s in site_names for s in sites) \
+            or len(set(sites)) != len(sites):
+        raise ConfigError(f"style_gate sites must be distinct names from site_names, got {sites!r}")
+    d = descriptor_size(channels)
+    try:
+        means = np.asarray(meta["means"], dtype=np.float64)
+        precision = np.asarray(meta["precision"], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError("style_gate means and precision must be lists of numbers") from None
+    if means.shape != (len(sites), d) or precision.shape != (d, d):
+        raise ConfigError(f"style_gate means must be {len(sites)} x {d} and precision {d} x {d}, got "
+                          f"{means.shape} and {precision.shape}")
+    if not (np.isfinite(means).all() and np.isfinite(precision).all()):
+        raise ConfigError("style_gate means and precision must be finite numbers")
+    threshold = meta["threshold"]
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not np.isfinite(threshold) or threshold < 0):
+        raise ConfigError(f"style_gate threshold must be a number >= 0 or null, got {threshold!r}")
+    check_quantile(meta["quantile"])  # type: ignore[arg-type]
+
+
+def outside_gate(images: np.ndarray, meta: Mapping[str, object], site_names: Sequence[str]) -> np.ndarray:
+    """``bool (N,)``: the images a bundle's gate sends to the global model (unlike every site it knows).
+
+    ``images`` are at the U-Nets' input size, normalised as in training.
+    """
+    threshold = meta["threshold"]
+    if threshold is None:
+        return np.zeros(len(images), dtype=bool)
+    gate = {"means": meta["means"], "precision": meta["precision"],
+            "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
+    distances, _ = style_distances(style_descriptors(images), gate)
+    return distances > float(threshold)  # type: ignore[arg-type]
+
+
+def _array(value: object) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
