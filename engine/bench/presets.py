@@ -205,10 +205,12 @@ def get_preset(name: str) -> BenchPreset:
 
 
 def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
-                    main_only: bool = False, methods: tuple[str, ...] | None = None) -> BenchPreset:
+                    main_only: bool = False, methods: tuple[str, ...] | None = None,
+                    no_analyses: bool = False) -> BenchPreset:
     """A reduced copy of ``preset``: only ``tasks``, main-comparison ``seeds`` and ``methods``; ``main_only``
     also drops the performance figures, the learning-rate tuning and the analyses (lam sweep, unseen
-    site, personalization).
+    site, personalization); ``no_analyses`` drops only the analyses (and the BlackFed and FedIOD
+    tables), keeping the speed figures and the learning-rate tuning of the main comparison.
 
     The preset keeps its name and every training setting, so the results (and cache entries) are
     the full preset's for the jobs that run.
@@ -232,4 +234,6 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
     if main_only:
         out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=(),
                       fediod_seeds=())
+    if no_analyses:
+        out = replace(out, lam_values=(), personalizations=(), analysis_seeds=(), fediod_seeds=(), split_seeds=())
     return out

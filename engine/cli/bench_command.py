@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default=None, help="reduced run: only these main methods (comma-separated)")
     p.add_argument("--main-only", action="store_true",
                    help="reduced run: only the main comparison (no speed figures, lr tuning or analyses)")
+    p.add_argument("--no-analyses", action="store_true",
+                   help="reduced run: the main comparison with its lr tuning and speed figures, without the lam "
+                        "sweep, unseen-site, personalization, BlackFed and FedIOD analyses")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-PRESET)")
     p.add_argument("--fresh", action="store_true", help="ignore cached job results and run everything again")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -67,6 +70,8 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
         out["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if args.main_only:
         out["main_only"] = True
+    if args.no_analyses:
+        out["no_analyses"] = True
     return out
 
 

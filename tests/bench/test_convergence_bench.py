@@ -100,6 +100,12 @@ def test_restricted_preset_and_time_rows():
     assert not preset.perf and not preset.lr_grid and not preset.analysis_seeds
     with pytest.raises(ConfigError, match="no task"):
         restrict_preset(preset, tasks=("brain",))
+    lean = restrict_preset(get_preset("cpu-converged"), no_analyses=True)
+    assert lean.perf and lean.lr_grid and lean.seeds == (0, 1, 2) and len(lean.methods) == 7
+    assert not (lean.analysis_seeds or lean.lam_values or lean.personalizations or lean.split_seeds)
+    from engine.bench.runner import plan_jobs
+
+    assert {j.analysis for j in plan_jobs(lean)} == {"perf", "tune", "main"}
     results = {JobKey("fundus", "main", "fedsm", 0): {"job_wall_s": 300.0, "validation_s": 30.0},
                JobKey("fundus", "main", "fedavg", 0): {"job_wall_s": 100.0, "validation_s": 5.0}}
     rows = time_rows(results, "fundus")
