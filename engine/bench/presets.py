@@ -60,7 +60,10 @@ class BenchPreset:
     personalizations
         Alternatives to SoftPull trained inside FedSM (paper Table 6).
     analysis_seeds
-        Seeds of the lam sweep, unseen-site and personalization runs.
+        Seeds of the lam sweep, unseen-site and personalization runs (the first also tunes the
+        learning rates).
+    unseen_analysis
+        Whether the unseen-site analysis runs (paper Tables 5 and 12).
     perf
         Whether to measure speed, traffic and memory (:mod:`engine.bench.perf`).
     lr_schedule, lr_min_ratio, loss
@@ -98,6 +101,7 @@ class BenchPreset:
     unseen_site: int = 6
     personalizations: tuple[str, ...] = ("finetune", "apfl", "perfedavg", "pfedme")
     analysis_seeds: tuple[int, ...] = (0,)
+    unseen_analysis: bool = True
     perf: bool = True
     perf_image_size: int = 64
     perf_batches: int = 6
@@ -235,5 +239,6 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
         out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=(),
                       fediod_seeds=())
     if no_analyses:
-        out = replace(out, lam_values=(), personalizations=(), analysis_seeds=(), fediod_seeds=(), split_seeds=())
+        out = replace(out, lam_values=(), personalizations=(), unseen_analysis=False, fediod_seeds=(),
+                      split_seeds=())
     return out

@@ -51,7 +51,7 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
     for seed in preset.analysis_seeds:
         for tp in preset.tasks:
             jobs += [JobKey(tp.task, "personalization", f"fedsm-{k}", seed) for k in preset.personalizations]
-    for seed in preset.analysis_seeds:
+    for seed in preset.analysis_seeds if preset.unseen_analysis else ():
         for tp in preset.tasks:
             jobs += [JobKey(tp.task, "unseen", m, seed) for m in ("fedsm", "fedavg")]
     for seed in preset.analysis_seeds:
