@@ -102,7 +102,7 @@ def test_restricted_preset_and_time_rows():
         restrict_preset(preset, tasks=("brain",))
     lean = restrict_preset(get_preset("cpu-converged"), no_analyses=True)
     assert lean.perf and lean.lr_grid and lean.seeds == (0, 1, 2) and len(lean.methods) == 7
-    assert not (lean.analysis_seeds or lean.lam_values or lean.personalizations or lean.split_seeds)
+    assert not (lean.unseen_analysis or lean.lam_values or lean.personalizations or lean.split_seeds)
     from engine.bench.runner import plan_jobs
 
     assert {j.analysis for j in plan_jobs(lean)} == {"perf", "tune", "main"}

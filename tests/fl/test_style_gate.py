@@ -67,7 +67,7 @@ def test_distance_is_squared_mahalanobis_to_the_nearest_mean() -> None:
 
 
 def test_threshold_is_the_quantile_bin_edge_of_the_summed_histograms() -> None:
-    # 19 images at distance 1 and one at 100, split over two sites: 95% -> the bin holding 1, 100% -> the one holding 100
+    # 19 images at distance 1 and one at 100 over two sites: 95% -> the bin holding 1, 100% -> the one holding 100
     h1 = distance_histogram(np.ones(10))
     h2 = distance_histogram(np.r_[np.ones(9), 100.0])
     assert float(h1["counts"].sum()) == 10
