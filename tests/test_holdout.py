@@ -41,7 +41,15 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
     assert choice["gamma"] in [row["gamma"] for row in sel["routing_per_gamma"]]
     assert f"Gamma chosen by the federation (`--gamma auto`): {choice['gamma']:.2f}" in (out / "report.md").read_text()
     dice = sel["dice"]
-    assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only"}
+    assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only", "gate_off"}
+    # the site-style gate (on by default) is reported with its effect on seen and unseen images
+    gate = sel["style_gate"]
+    assert gate["quantile"] == 0.95 and gate["sites"] == ["site1", "site2"]
+    assert 0.0 <= gate["seen_unlike"] <= 1.0 and 0.0 <= gate["unseen_unlike"] <= 1.0
+    for row in sel["routing_per_gamma"]:
+        assert sum(row["seen_gated"].values()) == pytest.approx(1.0)
+        assert row["seen_gated"]["global"] >= row["seen"]["global"]  # the gate only ever adds global routing
+        assert row["unseen_gated"]["global"] >= row["unseen"]["global"]
     assert set(sel["guard"]) == {"site1", "site2"}
     assert 0.0 <= report["methods"]["fedavg"]["extra"]["unseen"]["dice"] <= 1.0
 

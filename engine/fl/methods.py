@@ -537,6 +537,9 @@ class FedSM(FederatedMethod):
                 raise ConfigError(f"update from {site} lacks its style statistics (part {STATS_PART!r}); the "
                                   "federation runs the site-style gate, so every training round must carry them")
             check_style_statistics(stats, self.task.in_channels, f"style statistics from {site}")
+            if float(stats["count"][0]) != update.num_samples:
+                raise ConfigError(f"update from {site} describes {float(stats['count'][0]):g} images in its style "
+                                  f"statistics but trained on {update.num_samples}")
         return SiteUpdate(weights, update.num_samples, update.metrics)
 
     def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:

@@ -112,6 +112,15 @@ def check_style_statistics(stats: Mapping[str, torch.Tensor], channels: int, wha
     count = float(stats["count"][0])
     if count < 1 or count != int(count):
         raise ConfigError(f"{what}: count must be a whole number >= 1, got {count:g}")
+    # sums of real descriptors give a positive semi-definite scatter matrix; anything else is forged
+    mean = stats["sum"].double() / count
+    scatter = stats["outer"].double() - count * torch.outer(mean, mean)
+    if not torch.allclose(scatter, scatter.T, rtol=1e-6, atol=1e-6 * (1.0 + float(scatter.abs().max()))):
+        raise ConfigError(f"{what}: outer is not symmetric")
+    lowest = float(torch.linalg.eigvalsh((scatter + scatter.T) / 2).min())
+    if lowest < -1e-6 * (1.0 + float(scatter.abs().max())):
+        raise ConfigError(f"{what}: the sums do not come from real images (their scatter has a negative "
+                          f"eigenvalue, {lowest:.3g})")
 
 
 def fit_style_gate(stats: Sequence[Mapping[str, torch.Tensor] | None],

@@ -89,6 +89,9 @@ def test_bad_statistics_and_histograms_are_refused() -> None:
         check_style_statistics({**good, "sum": torch.full((9,), float("nan"), dtype=torch.float64)}, 1, "s")
     with pytest.raises(ConfigError, match="whole number"):
         check_style_statistics({**good, "count": torch.tensor([0.5], dtype=torch.float64)}, 1, "s")
+    forged = {**good, "outer": torch.zeros((9, 9), dtype=torch.float64)}  # smaller than sum sum^T / n allows
+    with pytest.raises(ConfigError, match="negative eigenvalue"):
+        check_style_statistics(forged, 1, "s")
     hist = distance_histogram(np.ones(3))
     check_distance_histogram(hist, "h")
     with pytest.raises(ConfigError, match="whole numbers"):

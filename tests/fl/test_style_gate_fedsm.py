@@ -68,6 +68,9 @@ def test_updates_without_statistics_or_with_a_misplaced_histogram_are_refused(ti
                        update.num_samples, update.metrics)
     with pytest.raises(ConfigError, match="shape"):
         method.validate_update(state, "site1", wrong)
+    inflated = SiteUpdate(update.weights, update.num_samples + 1, update.metrics)
+    with pytest.raises(ConfigError, match="style statistics but trained on"):
+        method.validate_update(state, "site1", inflated)
 
 
 class SureSelector(nn.Module):
