@@ -45,11 +45,16 @@ def tamper(content, kind: str, n_sites: int):
     site, rnd = content["fedsm"]["site"], content["fedsm"]["round"]
     update = records.decode_update(content, site, rnd)
     weights, count, metrics = update.weights, update.num_samples, update.metrics
+    # the attacks alter the models; FedSM's style-gate sums (part "style_stats") stay consistent with
+    # the claimed sample count, so that the coordinator's robust bounds are what must catch them
+    style = {p: w for p, w in weights.items() if p == "style_stats"}
+    models = {p: w for p, w in weights.items() if p != "style_stats"}
     if kind == "scale":
-        weights = {p: {k: v * 1e6 if v.dtype.is_floating_point else v for k, v in w.items()}
-                   for p, w in weights.items()}
+        weights = {**{p: {k: v * 1e6 if v.dtype.is_floating_point else v for k, v in w.items()}
+                      for p, w in models.items()}, **style}
     elif kind == "count":
-        weights = {p: {k: torch.zeros_like(v) for k, v in w.items()} for p, w in weights.items()}
+        weights = {p: {k: torch.zeros_like(v) for k, v in w.items()} for p, w in models.items()}
+        weights |= {p: {**w, "count": torch.tensor([1e12], dtype=torch.float64)} for p, w in style.items()}
         count = 10**12
     elif kind == "stats_only":
         weights = {"selector_stats": {"count": torch.ones(n_sites), "sum": torch.zeros(n_sites, 3),

@@ -94,7 +94,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
         assert shown["signed"] is True and shown["method"] == "fedsm" and shown["image_size"] == 32
         sent = next(e for e in events if e["event"] == "sent" and e["round"] == 1)
         assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60,
-                                                   "selector_optim": 73}  # the reference-trained selector's Adam state
+                                               "selector_optim": 73, "style_stats": 3}  # Adam state; style-gate sums
         assert sent["contents"]["num_examples"] > 0 and "loss_global" in sent["contents"]["metrics"]
     server_events = read_events(fed.server_events)
     assert [e["round"] for e in server_events if e["event"] == "checkpoint"] == [1, 2, 3]
@@ -183,7 +183,8 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
         content = message.content
         allowed = {records.INFO, records.METRICS, records.LAYOUT} | {
             records.WEIGHTS_PREFIX + p
-            for p in ("global", "personal", "selector", "selector_optim", "selector_stats", "selector_temperature")}
+            for p in ("global", "personal", "selector", "selector_optim", "selector_stats", "selector_temperature",
+                      "style_stats", "style_hist")}
         assert set(content) <= allowed, set(content)
         info = content.config_records[records.INFO]
         assert set(info) <= {"site", "round"} and info["site"] in SITES
@@ -195,6 +196,10 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
             for name, tensor in tensors.items():
                 if part == "selector_stats":
                     assert name in STAT_KEYS and tensor.dim() <= 2
+                elif part == "style_stats":  # sums over the site's images: count, sum (27,), outer (27, 27)
+                    assert name in ("count", "sum", "outer") and tensor.numel() <= 27 * 27
+                elif part == "style_hist":  # a histogram of validation distances, no per-image value
+                    assert name == "counts" and tensor.dim() == 1
                 elif part == "selector_optim":  # Adam moments of selector parameters, and the step count
                     moment = name.removeprefix("exp_avg_sq.").removeprefix("exp_avg.")
                     assert name == "step" or shapes[moment] == tuple(tensor.shape), (part, name)

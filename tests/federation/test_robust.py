@@ -25,6 +25,7 @@ from engine.federation.flower.server_app import FederationRunner, RegisteredSite
 from engine.federation.spec import MethodSpec, build_method
 from engine.fl.methods import SiteUpdate
 from engine.fl.robust import RobustSettings, UpdateRejected, UpdateScreen, coordinate_wise
+from engine.fl.style_gate import STATS_PART
 
 #: site -> what its modified ClientApp does to its honest round-1 answer
 ATTACKS = {"site2": "scale", "site3": "count", "site4": "layout", "site5": "stats_only"}
@@ -41,11 +42,17 @@ def _alter(kind):
         if rnd != 1:
             return reply  # the calibration round is honest
         update = records.decode_update(content, site, rnd)
+        # the attacks alter the models; the site-style gate's descriptor sums stay consistent with the
+        # claimed sample count, so that the robust bounds (not the gate's checks) are what must catch them
+        style = update.weights.get(STATS_PART)
+        models = {p: w for p, w in update.weights.items() if p != STATS_PART}
         if kind == "scale":  # x1e6 update
-            update = SiteUpdate({p: {k: v * 1e6 if v.dtype.is_floating_point else v for k, v in w.items()}
-                                 for p, w in update.weights.items()}, update.num_samples, update.metrics)
+            update = SiteUpdate({**{p: {k: v * 1e6 if v.dtype.is_floating_point else v for k, v in w.items()}
+                                    for p, w in models.items()}, STATS_PART: style},
+                                update.num_samples, update.metrics)
         elif kind == "count":  # 10^12 samples with zero weights: would replace the global model
-            update = SiteUpdate({p: {k: torch.zeros_like(v) for k, v in w.items()} for p, w in update.weights.items()},
+            update = SiteUpdate({**{p: {k: torch.zeros_like(v) for k, v in w.items()} for p, w in models.items()},
+                                 STATS_PART: {**style, "count": torch.tensor([1e12], dtype=torch.float64)}},
                                 10**12, update.metrics)
         elif kind == "stats_only":  # a FedSM reply holding only selector statistics, in a training round
 

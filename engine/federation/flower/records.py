@@ -3,14 +3,17 @@
 Instruction (coordinator -> one site; message type ``train``)::
 
     "fedsm"             ConfigRecord   round, rounds, method, spec (JSON), session, site, config (JSON)
-    "weights:<part>"    ArrayRecord    one per part: global, personal, selector, control, personal/<site>
+    "weights:<part>"    ArrayRecord    one per part: global, personal, selector, control, personal/<site>,
+                                       style_gate (FedSM's last round: site means and precision)
     "layout"            ConfigRecord   per part: JSON list of [tensor name, dtype, shape]
 
 Reply (site -> coordinator)::
 
     "fedsm"             ConfigRecord   site, round
     "metrics"           MetricRecord   training metrics (floats) and "num-examples"
-    "weights:<part>"    ArrayRecord    global, personal, selector, control_delta, selector_stats
+    "weights:<part>"    ArrayRecord    global, personal, selector, control_delta, selector_stats, and for
+                                       FedSM's site-style gate style_stats (descriptor sums) and style_hist
+                                       (last round: a histogram of validation distances)
     "layout"            ConfigRecord   as above
 
 A part's tensors are packed into one flat array per dtype (:func:`pack`; the layout says
