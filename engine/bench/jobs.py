@@ -166,7 +166,7 @@ class BenchSimulation(Simulation):
             names = [s.name for s in self.sites]
             method = FedSM(self.task, names, self.cfg.training(), self.cfg.seed, self.cfg.rounds,
                            lam=effective_lam(self.softpull_lam, len(names)), gamma=self.cfg.gamma,
-                           selector_calibration=self.cfg.selector_calibration)
+                           selector_calibration=self.cfg.selector_calibration, style_gate=self.cfg.style_gate)
             method.lam = self.softpull_lam
             return method
         return super()._build_method(name)
