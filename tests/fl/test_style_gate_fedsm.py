@@ -126,3 +126,17 @@ def test_bad_gate_metadata_is_refused():
     with pytest.raises(ConfigError, match="style_gate"):
         BundleMetadata(task="fundus", label_names=["disc", "cup"], in_channels=3, image_size=32, selector_size=32,
                        site_names=["s1"], style_gate=meta)
+
+
+def test_federation_setting_parses_and_survives_the_spec_round_trip():
+    from engine.federation.spec import MethodSpec, build_method
+
+    base = {"method": "fedsm", "task": "fundus", "site_names": ("a", "b"), "rounds": 1, "image_size": 32}
+    assert MethodSpec(**base).style_gate == 0.95  # on by default, like fedsm simulate
+    off = MethodSpec.from_dict({**base, "style_gate": "off"})
+    assert off.style_gate is None and build_method(off, "cpu").style_quantile is None
+    tight = MethodSpec.from_dict({**base, "style_gate": 0.9})
+    assert MethodSpec.from_json(tight.to_json()) == tight and build_method(tight, "cpu").style_quantile == 0.9
+    assert MethodSpec.from_json(off.to_json()).style_gate is None
+    with pytest.raises(ConfigError, match="style gate"):
+        MethodSpec.from_dict({**base, "style_gate": "sometimes"})
