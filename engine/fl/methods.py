@@ -84,6 +84,8 @@ OPTIM_PART = "selector_optim"
 TEMPERATURE_PART = "selector_temperature"
 #: Payload part of a site's own-site confidence histogram (last round, ``gamma_pass`` set: ``--gamma auto``).
 GAMMA_PART = "selector_gamma"
+#: Parts a FedSM site's last-round answer may hold (besides the style gate's histogram).
+LAST_ROUND_PARTS = frozenset({"selector_stats", TEMPERATURE_PART, GAMMA_PART})
 
 
 def derived_seed(*parts: object) -> int:
@@ -496,7 +498,7 @@ class FedSM(FederatedMethod):
         if self.style_quantile is not None:
             update = self._checked_style_parts(site, update)
         parts = set(update.weights)
-        if parts <= {"selector_stats", TEMPERATURE_PART, GAMMA_PART}:  # the last round's answer
+        if parts <= LAST_ROUND_PARTS:  # the last round's answer
             if "selector_stats" in parts:
                 check_statistics(update.weights["selector_stats"], self.num_selector_classes,
                                  f"selector statistics from {site}")
@@ -524,7 +526,7 @@ class FedSM(FederatedMethod):
         """
         weights = dict(update.weights)
         stats, hist = weights.pop(STATS_PART, None), weights.pop(HIST_PART, None)
-        last_round = set(weights) <= {"selector_stats", TEMPERATURE_PART, GAMMA_PART}
+        last_round = set(weights) <= LAST_ROUND_PARTS
         if last_round:
             if stats is not None:
                 raise ConfigError(f"update from {site} sends style statistics in the last round")
@@ -630,11 +632,12 @@ class FedSM(FederatedMethod):
         n = len(site.train.images)
         metrics = site_validation_dice(self.task, w, site, self.training)
         parts: WeightSet = {}
+        val = site.validation
+        # a site without validation images scores its training images instead
+        images = val.images if val is not None and len(val.images) else site.train.images
         if self.selector_calibration == "lda":
             parts = self._statistics_update(instructions, site, np.full(n, site.index)).weights
         elif self.selector_calibration == "temperature" or self.gamma_pass is not None:
-            val = site.validation
-            images = val.images if val is not None and len(val.images) else site.train.images
             logits = selector_logits(self.task, w["selector"], self.num_selector_classes, images, self.training)
             labels = np.full(len(images), site.index)
             if self.selector_calibration == "temperature":
@@ -642,8 +645,6 @@ class FedSM(FederatedMethod):
             if self.gamma_pass is not None:
                 parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
         if GATE_PART in w:
-            val = site.validation
-            images = val.images if val is not None and len(val.images) else site.train.images
             distances, _ = style_distances(style_descriptors(images), w[GATE_PART])
             parts[HIST_PART] = distance_histogram(distances)
         return SiteUpdate(parts, n, metrics)
