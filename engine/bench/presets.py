@@ -170,9 +170,9 @@ PRESETS: dict[str, BenchPreset] = {
     ),
     "cpu-converged": BenchPreset(
         name="cpu-converged",
-        description="The full study trained to a plateau on a 2-core CPU: 6 sites per task, 64 px fundus, 32 px "
-                    "prostate, 60 rounds fundus and 120 prostate, Dice + cross-entropy loss, cosine learning-rate decay, best round by "
-                    "validation, the learning rate of every method tuned on validation (docs/results.md, "
+        description="The full study trained to a plateau on a 2-core CPU: 6 sites per task, 64 px fundus for 60 "
+                    "rounds, 32 px prostate for 120, Dice + cross-entropy loss, cosine learning-rate decay, best "
+                    "round by validation, the learning rate of every method tuned on validation (docs/results.md, "
                     "Convergence recipe)",
         tasks=(TaskPreset("fundus", sites=6, image_size=64, rounds=60, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=32, rounds=120, slices=6, lam=0.3)),
