@@ -72,13 +72,21 @@ def _selector_lines(sel: dict[str, Any]) -> list[str]:
         seen = row["seen"]
         lines.append(f"| {row['gamma']:.2f} | {seen['global']:.2f} | {seen['own_site']:.2f} | "
                      f"{seen['other_site']:.2f} | {_fmt(row['unseen']['global']) if 'unseen' in row else '-'} |")
+    style = sel.get("style_routing")
+    if style:
+        lines += ["", "Style routing (each image to the style gate's nearest site, global outside the gate): "
+                  f"seen to own site {style['seen']['own_site']:.2f}, to global {style['seen']['global']:.2f}"
+                  + (f"; unseen to global {style['unseen']['global']:.2f}" if "unseen" in style else "") + "."]
     dice = sel["dice"]
-    lines += ["", f"| mean Dice at gamma {dice['gamma']:.2f} | guard on | guard off | global alone |",
-              "|---|---|---|---|"]
+    by = "style routing" if dice.get("routing") == "style" else f"gamma {dice['gamma']:.2f}"
+    extra = " | style routing, guard on" if style else ""
+    lines += ["", f"| mean Dice, {by} | guard on | guard off | global alone{extra} |",
+              "|---|---|---|---|" + ("---|" if style else "")]
     for where in ("participating", "unseen"):
         if dice.get(where):
             d = dice[where]
-            lines.append(f"| {where} | {_fmt(d['guard_on'])} | {_fmt(d['guard_off'])} | {_fmt(d['global_only'])} |")
+            lines.append(f"| {where} | {_fmt(d['guard_on'])} | {_fmt(d['guard_off'])} | {_fmt(d['global_only'])} |"
+                         + (f" {_fmt(d.get('style'))} |" if style else ""))
     allowed = [s for s, g in sel.get("guard", {}).items() if g["personal_allowed"]]
     lines += ["", "Routing guard: personalized models allowed for "
               + (", ".join(allowed) if allowed else "no site") + "."]

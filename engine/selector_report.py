@@ -16,11 +16,15 @@ index into those predictions. Reported:
   with the gate applied;
 - ``style_gate``: the gate's threshold and quantile and the share of seen and unseen images it
   found unlike every participating site;
+- ``style_routing`` (with a gate): the same shares when each image goes to the gate's nearest
+  site, or to global outside the gate (a bundle's ``site_routing: "style"``), whatever the
+  bundle's own setting, so both rules are measured on every run;
 - ``dice``: at the run's gamma, client-average test Dice of the super model with the routing
   guard on and off, of the global model alone and, for the unseen site, the same three (Dice
   per case as everywhere in the report: slices of a volume are scored together). With a gate,
   ``guard_on`` / ``guard_off`` route as the super model does (gate applied) and
-  ``gate_off`` is the guarded routing by the selector alone.
+  ``gate_off`` is the guarded routing by the selector alone, and ``style`` the guarded style
+  routing. ``routing`` names the rule the bundle itself uses (``guard_on`` follows it).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.data.preprocess import resize_images
 from engine.fl.selector_training import confidence_summary, expected_calibration_error
+from engine.fl.style_gate import gate_nearest, route_by_style
 from engine.inference.guard import apply_guard, guard_decisions
 from engine.inference.routing import route_fedsm
 
@@ -54,6 +60,7 @@ class _Scored:
     probs: np.ndarray  # (N, K) selector softmax
     masks: np.ndarray  # (models, N, L, H, W) every model's masks
     unlike: np.ndarray  # (N,) bool: the style gate finds the image unlike every site (False without a gate)
+    nearest: np.ndarray  # (N,) int: the gate's nearest site, 1..K (0 without a gate)
 
 
 def _score(predictor: Any, site: SiteImages) -> _Scored:
@@ -65,7 +72,10 @@ def _score(predictor: Any, site: SiteImages) -> _Scored:
         probs = pred.probabilities if probs is None else probs
         unlike = pred.unlike_sites if unlike is None else unlike
         masks.append(pred.masks)
-    return _Scored(np.asarray(probs), np.stack(masks), np.asarray(unlike, dtype=bool))
+    meta = predictor.metadata
+    nearest = (gate_nearest(resize_images(site.images, meta.image_size), meta.style_gate, meta.site_names)[1]
+               if meta.style_gate else np.zeros(len(site.images), dtype=np.int64))
+    return _Scored(np.asarray(probs), np.stack(masks), np.asarray(unlike, dtype=bool), nearest)
 
 
 def _gated(routed: np.ndarray, unlike: np.ndarray) -> np.ndarray:
@@ -126,22 +136,34 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
                 row["unseen_gated"] = {"global": float((r_g == 0).mean()), "site": float((r_g != 0).mean())}
         per_gamma.append(row)
     out["routing_per_gamma"] = per_gamma
+    nearest = np.concatenate([sc.nearest for sc in seen_scored]) if seen_scored else np.zeros(0, dtype=np.int64)
+    if gate:
+        style: dict[str, Any] = {"seen": shares(route_by_style(nearest, unlike))}
+        if unseen_scored is not None:
+            r_s = route_by_style(unseen_scored.nearest, unseen_scored.unlike)
+            style["unseen"] = {"global": float((r_s == 0).mean()), "site": float((r_s != 0).mean())}
+        out["style_routing"] = style
 
     decisions = guard_decisions(names, meta.site_validation)
 
+    by_style = gate and meta.site_routing == "style"
+
     def dice_for(scored: _Scored, site: SiteImages) -> dict[str, float]:
         selector_alone = route_fedsm(scored.probs, gamma)
-        chosen = _gated(selector_alone, scored.unlike) if gate else selector_alone
+        style_routed = route_by_style(scored.nearest, scored.unlike) if gate else selector_alone
+        chosen = style_routed if by_style else _gated(selector_alone, scored.unlike) if gate else selector_alone
         guarded, _ = apply_guard(chosen, decisions)
         out = {"guard_on": _routed_dice(scored, guarded, site), "guard_off": _routed_dice(scored, chosen, site),
                "global_only": _routed_dice(scored, np.zeros(len(chosen), dtype=np.int64), site)}
         if gate:
             out["gate_off"] = _routed_dice(scored, apply_guard(selector_alone, decisions)[0], site)
+            out["style"] = _routed_dice(scored, apply_guard(style_routed, decisions)[0], site)
         return out
 
     per_site = {s.name: dice_for(sc, s) for s, sc in zip(seen, seen_scored, strict=True)}
     out["dice"] = {
         "gamma": float(gamma),
+        "routing": "style" if by_style else "selector",
         "participating": {k: float(np.mean([d[k] for d in per_site.values()])) for k in
                           next(iter(per_site.values()))} if per_site else {},
         "per_site": per_site,

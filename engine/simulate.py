@@ -88,6 +88,9 @@ class SimulationConfig:
     routing_guard: bool = True
     #: Site-style gate quantile (:mod:`engine.fl.style_gate`); ``None``: off.
     style_gate: float | None = 0.95
+    #: How FedSM bundles pick an image's site: ``"selector"`` (the paper's) or ``"style"``
+    #: (the gate's nearest site, :func:`engine.fl.style_gate.route_by_style`).
+    site_routing: str = "selector"
     holdout_site: str | None = None
     slices: int | None = None
     #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
@@ -123,6 +126,9 @@ class SimulationConfig:
             from engine.fl.style_gate import check_quantile
 
             self.style_gate = check_quantile(self.style_gate)
+        from engine.fl.style_gate import check_site_routing
+
+        self.site_routing = check_site_routing(self.site_routing, self.style_gate)
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
@@ -510,6 +516,7 @@ class Simulation:
         if "selector_gamma" in state:  # --gamma auto: the federation's choice and what it rests on
             details["gamma_choice"] = {k: float(v[0]) for k, v in state["selector_gamma"].items()}
         routing_gamma = getattr(method, "routing_gamma", None)
+        gate = {} if extra_method else gate_metadata(state.get(GATE_PART, {}), [s.name for s in self.sites])
         meta = BundleMetadata(
             task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
             image_size=self.cfg.image_size, selector_size=self.cfg.selector_size,
@@ -521,7 +528,7 @@ class Simulation:
             rounds=method.total_rounds, val_dice=val_dice,
             site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
             routing_guard=bool(self.cfg.routing_guard) and guarded,
-            style_gate={} if extra_method else gate_metadata(state.get(GATE_PART, {}), [s.name for s in self.sites]),
+            style_gate=gate, site_routing=self.cfg.site_routing if gate else "selector",
             extra=details)
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])

@@ -14,7 +14,7 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
     out = tmp_path / "run"
     code = main(["simulate", "--task", "fundus", "--sites", "3", "--holdout-site", "site3", "--rounds", "1",
                  "--selector-warmup", "1", "--image-size", "32", "--methods", "fedavg,fedsm", "--device", "cpu",
-                 "--gamma", "auto",
+                 "--gamma", "auto", "--site-routing", "style",
                  "--out", str(out)])
     assert code == 0
     report = json.loads((out / "report.json").read_text())
@@ -41,7 +41,13 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
     assert choice["gamma"] in [row["gamma"] for row in sel["routing_per_gamma"]]
     assert f"Gamma chosen by the federation (`--gamma auto`): {choice['gamma']:.2f}" in (out / "report.md").read_text()
     dice = sel["dice"]
-    assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only", "gate_off"}
+    assert set(dice["participating"]) == set(dice["unseen"]) == {"guard_on", "guard_off", "global_only", "gate_off",
+                                                                  "style"}
+    # --site-routing style: the bundle routes by the gate's nearest site, and the report's guard_on follows it
+    from engine.bundle import load_bundle
+
+    assert load_bundle(out / "supermodel.safetensors").metadata.site_routing == "style"
+    assert dice["routing"] == "style" and dice["participating"]["guard_on"] == dice["participating"]["style"]
     # the site-style gate (on by default) is reported with its effect on seen and unseen images
     gate = sel["style_gate"]
     assert gate["quantile"] == 0.95 and gate["sites"] == ["site1", "site2"]
@@ -50,6 +56,12 @@ def test_holdout_site_is_not_trained_on_and_is_reported(tmp_path):
         assert sum(row["seen_gated"].values()) == pytest.approx(1.0)
         assert row["seen_gated"]["global"] >= row["seen"]["global"]  # the gate only ever adds global routing
         assert row["unseen_gated"]["global"] >= row["unseen"]["global"]
+    # style routing sends exactly the gate's unlike images to global, the rest to a site
+    style = sel["style_routing"]
+    assert sum(style["seen"].values()) == pytest.approx(1.0)
+    assert style["seen"]["global"] == pytest.approx(gate["seen_unlike"])
+    assert style["unseen"]["global"] == pytest.approx(gate["unseen_unlike"])
+    assert "Style routing (each image to the style gate's nearest site" in (out / "report.md").read_text()
     assert set(sel["guard"]) == {"site1", "site2"}
     assert 0.0 <= report["methods"]["fedavg"]["extra"]["unseen"]["dice"] <= 1.0
 

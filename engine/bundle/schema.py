@@ -46,6 +46,7 @@ METADATA_SCHEMA: dict[str, Any] = {
         "engine_version": _STRING,
         "extra": {"type": "object"},
         "style_gate": {"type": "object"},
+        "site_routing": {"enum": ["selector", "style"]},
     },
 }
 

@@ -55,6 +55,9 @@ ROUTINGS = ("gamma", "argmax", "none")
 #: single-model bundles do not route.
 ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
+#: How a FedSM (gamma) bundle picks an image's site: the trained selector and gamma (the paper's
+#: Algorithm 2), or the site-style gate's nearest site (:func:`engine.fl.style_gate.route_by_style`).
+SITE_ROUTINGS = ("selector", "style")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
 
@@ -133,6 +136,11 @@ class BundleMetadata:
         the gate knows, a subset of ``site_names``), ``means`` (one descriptor mean per such
         site), ``precision`` (the shared precision matrix), ``threshold`` (squared distance
         above which an image goes to the global model; ``null``: no limit) and ``quantile``.
+    site_routing
+        ``"selector"`` (default; the paper's selector and gamma) or ``"style"``: a FedSM bundle
+        routes each image inside the style gate to its nearest site's model and the others to
+        the global model; the selector still runs and is reported, gamma is not used. Needs a
+        ``style_gate``.
     created
         Creation time, ISO 8601 UTC.
     engine_version
@@ -160,6 +168,7 @@ class BundleMetadata:
     site_validation: dict[str, dict[str, float | None]] = field(default_factory=dict)
     routing_guard: bool = False
     style_gate: dict[str, Any] = field(default_factory=dict)
+    site_routing: str = "selector"
     created: str = field(default_factory=_utc_now)
     engine_version: str = engine.__version__
     extra: dict[str, Any] = field(default_factory=dict)
@@ -280,6 +289,11 @@ class BundleMetadata:
             from engine.fl.style_gate import check_gate_metadata
 
             check_gate_metadata(self.style_gate, self.site_names, self.in_channels)
+        if self.site_routing not in SITE_ROUTINGS:
+            raise ConfigError(f"site_routing must be one of {SITE_ROUTINGS}, got {self.site_routing!r}")
+        if self.site_routing == "style" and (self.routing != "gamma" or not self.style_gate):
+            raise ConfigError("site_routing 'style' needs a FedSM bundle with a site-style gate; this one has "
+                              f"routing {self.routing!r} and {'a' if self.style_gate else 'no'} gate")
         if not isinstance(self.created, str) or not isinstance(self.engine_version, str):
             raise ConfigError("created and engine_version must be strings")
 

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: send images unlike every participating site's images (a federated Gaussian "
                         "of intensity statistics) to the global model; the threshold lets this share of the "
                         "sites' validation images through (default 0.95; 'off' routes by the selector alone)")
+    p.add_argument("--site-routing", choices=["selector", "style"], default="selector",
+                   help="FedSM: pick each image's site with the trained selector and gamma (default, the "
+                        "paper's), or with the style gate's nearest site (images outside the gate go to the "
+                        "global model; gamma unused)")
     p.add_argument("--slices", type=int, default=None,
                    help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
@@ -249,6 +253,7 @@ def _run(args: argparse.Namespace) -> int:
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                     routing_guard=args.routing_guard, style_gate=args.style_gate,
+                    site_routing=args.site_routing,
                     holdout_site=args.holdout_site, slices=args.slices,
                     device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop,
                     options=parse_options(args.options))

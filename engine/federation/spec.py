@@ -55,6 +55,9 @@ class MethodSpec:
     #: FedSM's site-style gate: the quantile of the sites' validation distances it lets through, or
     #: ``"off"`` / ``false`` (engine.fl.style_gate)
     style_gate: float | None = 0.95
+    #: How FedSM's bundle picks an image's site: ``"selector"`` (the paper's selector and gamma) or
+    #: ``"style"`` (the style gate's nearest site; engine.fl.style_gate.route_by_style)
+    site_routing: str = "selector"
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = "none"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
@@ -93,6 +96,9 @@ class MethodSpec:
         from engine.fl.style_gate import parse_style_gate
 
         object.__setattr__(self, "style_gate", parse_style_gate(self.style_gate))
+        from engine.fl.style_gate import check_site_routing
+
+        check_site_routing(self.site_routing, self.style_gate)
         from engine.data.disc_crop import check_mode
 
         check_mode(self.fundus_crop)

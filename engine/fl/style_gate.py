@@ -231,6 +231,16 @@ def parse_style_gate(value: object) -> float | None:
     return check_quantile(value)  # type: ignore[arg-type]
 
 
+def check_site_routing(site_routing: object, style_gate: float | None) -> str:
+    """A FedSM ``site_routing`` setting: ``"selector"`` (the paper's) or ``"style"`` (needs the gate on)."""
+    if site_routing not in ("selector", "style"):
+        raise ConfigError(f"site_routing must be 'selector' or 'style', got {site_routing!r}")
+    if site_routing == "style" and style_gate is None:
+        raise ConfigError("site_routing 'style' routes by the site-style gate, which is off; turn it on "
+                          "(--style-gate 0.95, [training] style_gate = 0.95) or route by the selector")
+    return str(site_routing)
+
+
 def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -> dict[str, object]:
     """The bundle's ``style_gate`` field from the server's state part (``{}`` without a fitted gate)."""
     if not gate or "threshold" not in gate:
@@ -273,18 +283,45 @@ def check_gate_metadata(meta: Mapping[str, object], site_names: Sequence[str], c
     check_quantile(meta["quantile"])  # type: ignore[arg-type]
 
 
+def gate_nearest(images: np.ndarray, meta: Mapping[str, object],
+                 site_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each image's nearest site under a bundle's gate, its distance, and whether it is outside.
+
+    ``images`` are at the U-Nets' input size, normalised as in training.
+
+    Returns
+    -------
+    tuple
+        ``distance float (N,)`` (squared Mahalanobis distance to the nearest site mean),
+        ``nearest int64 (N,)`` (that site's routed model index, 1..K) and ``outside bool (N,)``
+        (beyond the threshold: unlike every site the gate knows; all ``False`` without a threshold).
+    """
+    gate = {"means": meta["means"], "precision": meta["precision"],
+            "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
+    distance, nearest = style_distances(style_descriptors(images), gate)
+    threshold = meta["threshold"]
+    outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]
+               else np.zeros(len(distance), dtype=bool))
+    return distance, (nearest + 1).astype(np.int64), outside
+
+
 def outside_gate(images: np.ndarray, meta: Mapping[str, object], site_names: Sequence[str]) -> np.ndarray:
     """``bool (N,)``: the images a bundle's gate sends to the global model (unlike every site it knows).
 
     ``images`` are at the U-Nets' input size, normalised as in training.
     """
-    threshold = meta["threshold"]
-    if threshold is None:
+    if meta["threshold"] is None:
         return np.zeros(len(images), dtype=bool)
-    gate = {"means": meta["means"], "precision": meta["precision"],
-            "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
-    distances, _ = style_distances(style_descriptors(images), gate)
-    return distances > float(threshold)  # type: ignore[arg-type]
+    return gate_nearest(images, meta, site_names)[2]
+
+
+def route_by_style(nearest: np.ndarray, outside: np.ndarray) -> np.ndarray:
+    """Style routing: each image to its nearest site's model (1..K), to global (0) when outside the gate.
+
+    The gate's Gaussians are a nearest-class-mean classifier with a shared covariance (LDA's rule
+    at equal priors); with the threshold it is the open-set classifier of Lee et al. (2018).
+    """
+    return np.where(np.asarray(outside, dtype=bool), 0, np.asarray(nearest, dtype=np.int64)).astype(np.int64)
 
 
 def _array(value: object) -> np.ndarray:

@@ -70,7 +70,8 @@ def apply_guard(routed: np.ndarray, decisions: Sequence[GuardDecision]) -> tuple
 def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, gamma: float | None,
                     model_names: Sequence[str], decisions: Sequence[GuardDecision] | None,
                     forced: bool = False, argmax: bool = False,
-                    unlike_sites: np.ndarray | None = None) -> list[str]:
+                    unlike_sites: np.ndarray | None = None,
+                    style: tuple[np.ndarray, float | None] | None = None) -> list[str]:
     """One sentence per image saying why it went to the model that segmented it.
 
     Parameters
@@ -81,6 +82,9 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         The guard's decisions, or ``None`` when the guard is off.
     unlike_sites
         ``bool (N,)``: images the site-style gate sent to global (``None``: no gate).
+    style
+        With style routing (bundle ``site_routing: "style"``): each image's squared distance to
+        its nearest site under the gate, and the gate's threshold (``None``: no limit).
     """
     conf = np.asarray(probs).max(axis=1) if len(probs) else np.zeros(0)
     out = []
@@ -93,6 +97,16 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         elif unlike_sites is not None and unlike_sites[i]:
             out.append(f"global (style gate): the image is unlike every participating site's images "
                        f"(selector confidence {conf[i]:.2f})")
+        elif style is not None:
+            limit = "no limit" if style[1] is None else f"threshold {style[1]:.1f}"
+            alike = (f"{model_names[int(c)]}'s images are the most alike "
+                     f"(style distance {float(style[0][i]):.1f}, {limit})")
+            if decisions is None:
+                out.append(f"{name}: {alike} (routing guard off)")
+            elif decisions[int(c) - 1].allowed:
+                out.append(f"{name}: {alike}, and {decisions[int(c) - 1].why}")
+            else:
+                out.append(f"global (routing guard): {alike}, but {decisions[int(c) - 1].why}")
         elif int(c) == 0:
             out.append(f"global: selector confidence {conf[i]:.2f} <= gamma {gamma:.2f}")
         elif decisions is None:

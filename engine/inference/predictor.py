@@ -18,7 +18,7 @@ from torch import nn
 from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
-from engine.fl.style_gate import outside_gate
+from engine.fl.style_gate import gate_nearest, route_by_style
 from engine.inference.device import resolve_device
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
@@ -296,9 +296,13 @@ class SuperModelPredictor:
             guard_on = meta.routing_guard if routing_guard is None else bool(routing_guard)
             gate_on = bool(meta.style_gate) and (style_gate is None or bool(style_gate))
             unlike = np.zeros(n, dtype=bool)
+            style = None  # (distance, nearest site) per image under the gate
             if self.selector is not None and meta.style_gate and meta.routing == "gamma":
                 # computed whenever the bundle has a gate, so forced and ungated runs still report it
-                unlike = outside_gate(resize_images(arr, meta.image_size), meta.style_gate, meta.site_names)
+                distance, nearest, unlike = gate_nearest(resize_images(arr, meta.image_size), meta.style_gate,
+                                                         meta.site_names)
+                style = (distance, nearest)
+            by_style = meta.site_routing == "style" and style is not None
             decisions = None
             if self.selector is None:  # a single-model bundle
                 chosen = np.zeros(n, dtype=np.int64)
@@ -308,7 +312,8 @@ class SuperModelPredictor:
             elif meta.routing == "argmax":
                 chosen = route_fedsm_extra(probs)
             else:
-                chosen = route_fedsm(probs, threshold)
+                # style routing ignores style_gate=False: without the gate it has no "none of them"
+                chosen = route_by_style(style[1], unlike) if by_style else route_fedsm(probs, threshold)
                 if gate_on:
                     chosen = np.where(unlike, 0, chosen).astype(np.int64)
                 if guard_on:
@@ -317,7 +322,8 @@ class SuperModelPredictor:
                                else (chosen, np.zeros(n, dtype=bool)))
             reasons = routing_reasons(chosen, routed, probs, threshold, meta.model_names, decisions,
                                       forced=force_model is not None, argmax=meta.routing == "argmax",
-                                      unlike_sites=unlike if gate_on else None)
+                                      unlike_sites=unlike if (gate_on or by_style) else None,
+                                      style=(style[0], meta.style_gate["threshold"]) if by_style else None)
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))

@@ -140,3 +140,58 @@ def test_federation_setting_parses_and_survives_the_spec_round_trip():
     assert MethodSpec.from_json(off.to_json()).style_gate is None
     with pytest.raises(ConfigError, match="style gate"):
         MethodSpec.from_dict({**base, "style_gate": "sometimes"})
+
+
+def _style_routed(bundle: SuperModelBundle, **changes) -> SuperModelBundle:
+    from dataclasses import replace
+
+    return SuperModelBundle(replace(bundle.metadata, site_routing="style", **changes), bundle.global_weights,
+                            bundle.personal_weights, bundle.selector_weights)
+
+
+def test_style_routing_sends_each_image_to_its_nearest_site_and_says_why(tmp_path):
+    bundle, dark = _gated_bundle()
+    save_bundle(tmp_path / "style.safetensors", _style_routed(bundle))
+    loaded = load_bundle(tmp_path / "style.safetensors")
+    assert loaded.metadata.site_routing == "style"
+    predictor = SuperModelPredictor(loaded, device="cpu")
+    predictor.selector = SureSelector()  # sure of s1 for every image: style routing must not follow it
+    bright = np.full((2, 3, 32, 32), 0.9, dtype=np.float32)
+    images = np.concatenate([dark[:2], dark[:2] + 0.1, bright])
+    pred = predictor.predict(images)
+    assert pred.routed.tolist() == [1, 1, 2, 2, 0, 0]
+    assert pred.confidence[2] > 0.99  # the selector still runs and is reported
+    assert pred.reasons[0].startswith("s1: s1's images are the most alike (style distance ")
+    assert "threshold" in pred.reasons[0] and "and s1's model beat global" in pred.reasons[0]
+    assert pred.reasons[4].startswith("global (style gate): the image is unlike every participating site's images")
+    # the gate is part of the rule: turning it off at inference does not send unlike images to a site
+    assert predictor.predict(bright, style_gate=False).routed.tolist() == [0, 0]
+
+
+def test_style_routing_keeps_the_guard():
+    bundle, dark = _gated_bundle()
+    worse = {"s1": {"global": 0.5, "personal": 0.6}, "s2": {"global": 0.5, "personal": 0.4}}
+    predictor = SuperModelPredictor(_style_routed(bundle, site_validation=worse), device="cpu")
+    pred = predictor.predict(np.concatenate([dark[:1], dark[:1] + 0.1]))
+    assert pred.routed.tolist() == [1, 0] and pred.guarded.tolist() == [False, True]
+    assert pred.reasons[1].startswith("global (routing guard): s2's images are the most alike (style distance ")
+
+
+def test_style_routing_needs_a_gamma_bundle_with_a_gate():
+    bundle, _ = _gated_bundle()
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match="site_routing must be one of"):
+        replace(bundle.metadata, site_routing="nearest")
+    with pytest.raises(ConfigError, match="needs a FedSM bundle with a site-style gate"):
+        replace(bundle.metadata, site_routing="style", style_gate={})
+    from engine.federation.spec import MethodSpec
+
+    base = {"method": "fedsm", "task": "fundus", "site_names": ("a", "b"), "rounds": 1, "image_size": 32}
+    assert MethodSpec(**base).site_routing == "selector"
+    style = MethodSpec.from_dict({**base, "site_routing": "style"})
+    assert MethodSpec.from_json(style.to_json()).site_routing == "style"
+    with pytest.raises(ConfigError, match="which is off"):
+        MethodSpec.from_dict({**base, "site_routing": "style", "style_gate": "off"})
+    with pytest.raises(ConfigError, match="site_routing must be 'selector' or 'style'"):
+        MethodSpec.from_dict({**base, "site_routing": "gate"})

@@ -153,6 +153,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
         from engine.tasks import get_task
 
         task = get_task(spec.task)
+        gate = gate_metadata(state.get(GATE_PART, {}), list(spec.site_names)) if spec.method == "fedsm" else {}
         meta = BundleMetadata(
             task=task.name, label_names=list(task.label_names), in_channels=task.in_channels,
             image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
@@ -163,7 +164,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
-            style_gate=gate_metadata(state.get(GATE_PART, {}), list(spec.site_names)) if spec.method == "fedsm" else {},
+            style_gate=gate, site_routing=spec.site_routing if gate else "selector",
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
                    "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop,
                    **({"gamma_choice": {k: float(v[0]) for k, v in state["selector_gamma"].items()}}
