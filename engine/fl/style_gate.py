@@ -6,23 +6,29 @@ prostate with batch statistics: docs/results.md, "Selector (leave-one-site-out)"
 trained on K sites has no notion of "none of them". This gate adds one, from statistics a
 federation can aggregate (no image and no per-image value leaves a site):
 
-1. **Descriptor.** Each image (at the U-Nets' input size, after the task's normalisation) is
-   described by the acquisition-style statistics that distinguish scanners, cameras and
-   protocols: per channel the mean, standard deviation, the 5/25/50/75/95% intensity quantiles
-   and the mean absolute horizontal and vertical intensity step (sharpness). 9 numbers per
-   channel: 27 for a fundus photo, 9 for an MRI slice.
+1. **Descriptor** (``intensity-v2``). Each image (at the U-Nets' input size, after the task's
+   normalisation) is described by the acquisition-style statistics that distinguish scanners,
+   cameras and protocols: per channel the mean, standard deviation, the 5/25/50/75/95% intensity
+   quantiles, the mean absolute horizontal and vertical intensity step, the means of a 3 x 3 grid
+   of regions (bias field, vignetting, field of view), the 50/90/99% gradient-magnitude quantiles
+   (edge sharpness) and the median absolute Laplacian (noise). 22 numbers per channel: 66 for a
+   fundus photo, 22 for an MRI slice. (``intensity-v1``, the first 9 per channel, is still read
+   from older bundles; it left an unseen prostate site inside the gate on most seeds.)
 2. **Model.** Each site sends, every training round, the count, sum and sum of outer products
-   of its training images' descriptors (``d + d*d + 1`` numbers; 6 KB for fundus). The server
+   of its training images' descriptors (``d + d*d + 1`` numbers; 35 KB for fundus). The server
    fits one Gaussian per site: the site's mean and the within-site covariance pooled over sites
    (as LDA pools it), shrunk towards a scaled identity (:data:`SHRINKAGE`) because sites hold
    tens of images and a descriptor has up to 27 dimensions.
 3. **Threshold.** In the last (calibration) round each site receives the fitted means and
    precision, computes the squared Mahalanobis distance of each of its validation images to the
    nearest site mean, and sends a histogram of those distances (:data:`DISTANCE_EDGES`,
-   log-spaced). The server sets the threshold at the ``quantile`` (default 0.95) of the summed
-   histogram: 95% of the participating sites' own validation images are "like a site".
+   log-spaced). The server reads each site's ``quantile`` (default 0.95) from its histogram and
+   sets the threshold at :data:`SITE_MARGIN` times their median over sites
+   (:func:`threshold_from_histograms`): robust to one site whose few validation images lie far
+   from every training image.
 4. **Routing.** At inference an image whose distance exceeds the threshold goes to the global
-   model whatever the selector says (the reason says so); the others are routed by Algorithm 2.
+   model whatever the selector says (the reason says so); the others are routed by Algorithm 2,
+   or by their nearest site with style routing (:func:`route_by_style`).
 
 Measured in docs/results.md ("Site-style gate"). Not in the FedSM paper; the field's feature-
 distance OOD score (Lee et al., NeurIPS 2018) on hand-built style features instead of a network's.
@@ -37,14 +43,29 @@ import torch
 
 from engine.errors import ConfigError
 
-#: Descriptor layout recorded in bundles; change it when :func:`style_descriptors` changes.
-DESCRIPTOR = "intensity-v1"
+#: Descriptor layout this engine computes and records in bundles; a new layout gets a new name
+#: and the old ones stay readable (:data:`PER_CHANNEL`), so older bundles keep routing as they did.
+DESCRIPTOR = "intensity-v2"
 
 #: Intensity quantiles of the descriptor.
 QUANTILES: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
 
-#: Descriptor values per image channel: mean, std, the quantiles, mean |dx|, mean |dy|.
-PER_CHANNEL = 4 + len(QUANTILES)
+#: Gradient-magnitude quantiles of the ``intensity-v2`` descriptor (edge sharpness and contrast).
+GRADIENT_QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
+
+#: Side of the grid of regional means of the ``intensity-v2`` descriptor (bias field, vignetting,
+#: field of view).
+GRID = 3
+
+#: Descriptor values per image channel, per layout. ``intensity-v1``: mean, std, the quantiles,
+#: mean |dx|, mean |dy|. ``intensity-v2``: those, the GRID x GRID regional means, the gradient-
+#: magnitude quantiles and the noise level (median |Laplacian|).
+PER_CHANNEL: dict[str, int] = {"intensity-v1": 4 + len(QUANTILES),
+                               "intensity-v2": 4 + len(QUANTILES) + GRID * GRID + len(GRADIENT_QUANTILES) + 1}
+
+#: The threshold is this factor times the median over sites of each site's own distance quantile
+#: (:func:`threshold_from_histograms`).
+SITE_MARGIN = 1.25
 
 #: Shrinkage of the pooled covariance towards ``trace / d * I`` (0: none, 1: identity-scaled).
 SHRINKAGE = 0.1
@@ -62,30 +83,53 @@ GATE_PART = "style_gate"
 HIST_PART = "style_hist"
 
 
-def descriptor_size(channels: int) -> int:
-    """Length of an image's descriptor for ``channels`` image channels."""
-    return PER_CHANNEL * int(channels)
+def descriptor_size(channels: int, layout: str = DESCRIPTOR) -> int:
+    """Length of an image's descriptor for ``channels`` image channels in ``layout``."""
+    return _per_channel(layout) * int(channels)
 
 
-def style_descriptors(images: np.ndarray) -> np.ndarray:
-    """Acquisition-style descriptor of each image: ``float64 (N, 9 * C)``.
+def _per_channel(layout: str) -> int:
+    if layout not in PER_CHANNEL:
+        raise ConfigError(f"unknown style descriptor {layout!r}; this FedSM knows {', '.join(PER_CHANNEL)}")
+    return PER_CHANNEL[layout]
+
+
+def style_descriptors(images: np.ndarray, layout: str = DESCRIPTOR) -> np.ndarray:
+    """Acquisition-style descriptor of each image: ``float64 (N, PER_CHANNEL[layout] * C)``.
 
     Parameters
     ----------
     images
-        ``(N, C, H, W)`` normalised images, all at one size (the U-Nets' input size).
+        ``(N, C, H, W)`` normalised images, all at one size (the U-Nets' input size; ``intensity-v2``
+        needs at least 3 x 3 pixels).
+    layout
+        A key of :data:`PER_CHANNEL`; values are grouped per channel.
     """
+    per = _per_channel(layout)
     x = np.asarray(images, dtype=np.float64)
     if x.ndim != 4:
         raise ConfigError(f"style descriptors need (N, C, H, W) images, got shape {x.shape}")
-    n, c = x.shape[:2]
+    n, c, h, w = x.shape
     if n == 0:
-        return np.zeros((0, descriptor_size(c)))
+        return np.zeros((0, per * c))
     flat = x.reshape(n, c, -1)
     quant = np.quantile(flat, QUANTILES, axis=2).transpose(1, 2, 0)  # (N, C, Q)
-    step_x = np.abs(np.diff(x, axis=3)).reshape(n, c, -1).mean(2) if x.shape[3] > 1 else np.zeros((n, c))
-    step_y = np.abs(np.diff(x, axis=2)).reshape(n, c, -1).mean(2) if x.shape[2] > 1 else np.zeros((n, c))
+    dx, dy = np.diff(x, axis=3), np.diff(x, axis=2)
+    step_x = np.abs(dx).reshape(n, c, -1).mean(2) if w > 1 else np.zeros((n, c))
+    step_y = np.abs(dy).reshape(n, c, -1).mean(2) if h > 1 else np.zeros((n, c))
     parts = [flat.mean(2)[..., None], flat.std(2)[..., None], quant, step_x[..., None], step_y[..., None]]
+    if layout == "intensity-v2":
+        if h < GRID or w < GRID:
+            raise ConfigError(f"the {layout} style descriptor needs images of at least {GRID} x {GRID} pixels, "
+                              f"got {h} x {w}")
+        rows, cols = np.array_split(np.arange(h), GRID), np.array_split(np.arange(w), GRID)
+        regions = np.stack([x[:, :, r][:, :, :, k].mean((2, 3)) for r in rows for k in cols], axis=2)
+        grad = np.sqrt(dx[:, :, :-1, :] ** 2 + dy[:, :, :, :-1] ** 2).reshape(n, c, -1)  # forward differences
+        grad_q = np.quantile(grad, GRADIENT_QUANTILES, axis=2).transpose(1, 2, 0)
+        lap = (4 * x[:, :, 1:-1, 1:-1] - x[:, :, :-2, 1:-1] - x[:, :, 2:, 1:-1]
+               - x[:, :, 1:-1, :-2] - x[:, :, 1:-1, 2:])
+        noise = np.median(np.abs(lap).reshape(n, c, -1), axis=2)  # robust: edges are a minority of pixels
+        parts += [regions, grad_q, noise[..., None]]
     return np.concatenate(parts, axis=2).reshape(n, -1)
 
 
@@ -195,21 +239,33 @@ def check_distance_histogram(hist: Mapping[str, torch.Tensor], what: str) -> Non
         raise ConfigError(f"{what}: counts must be finite whole numbers >= 0")
 
 
-def threshold_from_histograms(hists: Sequence[Mapping[str, torch.Tensor]], quantile: float) -> float:
-    """The upper edge of the bin where the summed histogram first reaches ``quantile`` of its images.
-
-    ``inf`` (every image passes) when no site sent a validation image, or when the quantile falls
-    in the overflow bin.
-    """
-    check_quantile(quantile)
-    if not hists:
-        return float("inf")
-    total = np.sum([h["counts"].double().numpy() for h in hists], axis=0)
-    n = float(total.sum())
+def histogram_quantile(counts: np.ndarray, quantile: float) -> float:
+    """Upper edge of the bin where ``counts`` first reach ``quantile`` of its images (``inf``: overflow or empty)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    n = float(counts.sum())
     if n <= 0:
         return float("inf")
-    reach = int(np.searchsorted(np.cumsum(total), quantile * n - 1e-9, side="left"))
+    reach = int(np.searchsorted(np.cumsum(counts), quantile * n - 1e-9, side="left"))
     return float(DISTANCE_EDGES[reach]) if reach < len(DISTANCE_EDGES) else float("inf")
+
+
+def threshold_from_histograms(hists: Sequence[Mapping[str, torch.Tensor]], quantile: float,
+                              margin: float = SITE_MARGIN) -> float:
+    """The gate's threshold: ``margin`` x the median over sites of each site's ``quantile`` distance.
+
+    Each site's quantile is read from its own histogram (sites without validation images are left
+    out). The median over sites, not one quantile of all images together, so that one site whose
+    validation images lie far from every training image (a site with one validation volume,
+    measured on prostate) cannot open the gate for everyone; the margin makes up for a per-site
+    quantile from a few images falling short of the site's true one (docs/results.md, "Style
+    routing"). ``inf`` (every image passes) when no site sent a validation image.
+    """
+    check_quantile(quantile)
+    edges = [histogram_quantile(h["counts"].double().numpy(), quantile) for h in hists]
+    edges = [e for e, h in zip(edges, hists, strict=True) if float(h["counts"].sum()) > 0]
+    if not edges:
+        return float("inf")
+    return float(margin * np.median(edges))
 
 
 def check_quantile(quantile: float) -> float:
@@ -259,13 +315,14 @@ def check_gate_metadata(meta: Mapping[str, object], site_names: Sequence[str], c
     keys = {"descriptor", "sites", "means", "precision", "threshold", "quantile"}
     if set(meta) != keys:
         raise ConfigError(f"style_gate must have the keys {sorted(keys)}, got {sorted(meta)}")
-    if meta["descriptor"] != DESCRIPTOR:
-        raise ConfigError(f"style_gate uses descriptor {meta['descriptor']!r}; this FedSM computes {DESCRIPTOR!r}")
+    if meta["descriptor"] not in PER_CHANNEL:
+        raise ConfigError(f"style_gate uses descriptor {meta['descriptor']!r}; this FedSM knows "
+                          f"{', '.join(PER_CHANNEL)}")
     sites = meta["sites"]
     if not isinstance(sites, list) or not sites or not all(s in site_names for s in sites) \
             or len(set(sites)) != len(sites):
         raise ConfigError(f"style_gate sites must be distinct names from site_names, got {sites!r}")
-    d = descriptor_size(channels)
+    d = descriptor_size(channels, str(meta["descriptor"]))
     try:
         means = np.asarray(meta["means"], dtype=np.float64)
         precision = np.asarray(meta["precision"], dtype=np.float64)
@@ -298,7 +355,7 @@ def gate_nearest(images: np.ndarray, meta: Mapping[str, object],
     """
     gate = {"means": meta["means"], "precision": meta["precision"],
             "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
-    distance, nearest = style_distances(style_descriptors(images), gate)
+    distance, nearest = style_distances(style_descriptors(images, str(meta["descriptor"])), gate)
     threshold = meta["threshold"]
     outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]
                else np.zeros(len(distance), dtype=bool))

@@ -32,7 +32,7 @@ def test_sites_send_statistics_every_round_and_a_histogram_last(tiny_training):
     assert set(state["style_stats"]) == {f"{s}.{k}" for s in names for k in ("count", "sum", "outer")}
     assert float(state["style_stats"]["site2.count"][0]) == 6  # site2 holds 6 training images
     gate = state[GATE_PART]
-    assert gate["means"].shape == (3, 27) and gate["sites"].tolist() == [0, 1, 2]
+    assert gate["means"].shape == (3, 66) and gate["sites"].tolist() == [0, 1, 2]
     threshold = float(gate["threshold"][0])
     assert 0 < threshold < float("inf") and float(gate["quantile"][0]) == 0.95
     # the last round sends validation Dice and the distance histogram only: a few KB
