@@ -86,8 +86,10 @@ class SegmentationState:
 
     @property
     def uses_gamma(self) -> bool:
-        """Whether gamma changes routing (FedSM bundles; FedSM-extra routes by argmax)."""
-        return bool(self.metadata) and self.metadata.get("routing", "gamma") == "gamma"  # type: ignore[union-attr]
+        """Whether gamma changes routing (FedSM bundles that route by the selector; FedSM-extra routes by
+        argmax, a style-routed FedSM bundle by the site-style gate)."""
+        meta = self.metadata or {}
+        return bool(meta) and meta.get("routing", "gamma") == "gamma" and meta.get("site_routing") != "style"
 
     def set_gamma(self, gamma: float) -> None:
         """Routing threshold for the next run, 0..1."""

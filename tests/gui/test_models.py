@@ -199,3 +199,12 @@ def test_single_model_bundle_offers_only_the_global_model():
     assert state.model_names == ["global"] and not state.uses_gamma
     with pytest.raises(ValueError, match="unknown model"):
         state.set_forced_model("site1")
+
+
+def test_style_routed_bundle_has_no_gamma_to_set():
+    state = SegmentationState()
+    meta = {"gamma": 0.6, "site_names": ["site1", "site2"], "routing": "gamma", "method": "fedsm"}
+    state.set_bundle("fedsm.safetensors", {**meta, "site_routing": "selector"})
+    assert state.uses_gamma
+    state.set_bundle("fedsm.safetensors", {**meta, "site_routing": "style"})  # the style gate picks the site
+    assert not state.uses_gamma and state.model_names == ["global", "site1", "site2"]
