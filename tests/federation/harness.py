@@ -224,21 +224,17 @@ class CoordinatorThread:
         self._thread.join(timeout=timeout)
 
 
-def dialogue_replies(requests: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
-    """Every dialogue reply the sites sent, rebuilt from the recorded fleet requests, as its tensors.
+def recorded_messages(requests: list[tuple[str, bytes]]) -> list[Any]:
+    """Every message the sites sent, rebuilt from the recorded fleet requests (``flwr.app.Message``).
 
     ``requests`` are :func:`engine.federation.flower.fleet_listener.read_recorded`'s (path, body)
-    pairs. Each message is inflated from the objects the sites pushed, exactly as on the wire; a
-    message carrying anything but the dialogue's reply part fails the assertion here.
+    pairs. Each message is inflated from the objects the sites pushed, exactly as on the wire.
     """
     from flwr.app import Message
     from flwr.proto.fleet_pb2 import PushMessagesRequest
     from flwr.proto.message_pb2 import PushObjectRequest
     from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
     from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
-
-    from engine.federation.flower import records
-    from engine.federation.flower.dialogue import REPLY_PART
 
     objects: dict[str, bytes] = {}
     trees = []
@@ -248,12 +244,26 @@ def dialogue_replies(requests: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
             objects[req.object_id] = req.object_content
         elif path.endswith("/push-messages"):
             trees += list(PushMessagesRequest.FromString(body).message_object_trees)
-    replies = []
+    messages = []
     for tree in trees:
         message = inflate_object_from_contents(
             tree.object_id, {t.object_id: objects[t.object_id] for t in iterate_object_tree(tree)},
             keep_object_contents=True)
         assert isinstance(message, Message)
+        messages.append(message)
+    return messages
+
+
+def dialogue_replies(requests: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
+    """Every dialogue reply the sites sent, rebuilt from the recorded fleet requests, as its tensors.
+
+    A message carrying anything but the dialogue's reply part fails the assertion here.
+    """
+    from engine.federation.flower import records
+    from engine.federation.flower.dialogue import REPLY_PART
+
+    replies = []
+    for message in recorded_messages(requests):
         content = message.content
         assert set(content.array_records) <= {records.WEIGHTS_PREFIX + REPLY_PART}
         for key in content.array_records:

@@ -22,7 +22,15 @@ import httpx
 import numpy as np
 import pytest
 from fed_fixtures import TRAINING, fed_data, pki, simulated_supermodel  # noqa: F401
-from harness import CoordinatorThread, LoopbackFederation, Processes, max_abs_difference, processes_mentioning, wait_for
+from harness import (
+    CoordinatorThread,
+    LoopbackFederation,
+    Processes,
+    max_abs_difference,
+    processes_mentioning,
+    recorded_messages,
+    wait_for,
+)
 
 from engine.errors import CancelledError
 from engine.federation.config import load_federation_config
@@ -152,12 +160,6 @@ def listening_addresses(port: int) -> set[str]:
 
 def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]], datalists: list[Path]) -> None:
     """Rebuild every message the sites sent from the recorded requests and inspect it."""
-    from flwr.app import Message
-    from flwr.proto.fleet_pb2 import PushMessagesRequest
-    from flwr.proto.message_pb2 import PushObjectRequest
-    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
-
     from engine.data.site_data import load_site
     from engine.federation.flower import records
     from engine.fl.selector_calibration import STAT_KEYS
@@ -165,22 +167,10 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
     from engine.tasks import get_task
 
     assert requests, "nothing was recorded at the fleet listener"
-    objects: dict[str, bytes] = {}
-    trees = []
-    for path, body in requests:
-        if path.endswith("/push-object"):
-            req = PushObjectRequest.FromString(body)
-            objects[req.object_id] = req.object_content
-        elif path.endswith("/push-messages"):
-            trees += list(PushMessagesRequest.FromString(body).message_object_trees)
     template = {**build_segmentation_net(3, 2).state_dict(), **build_selector(3, 3, "gap").state_dict()}
     shapes = {k: tuple(v.shape) for k, v in template.items()}
     replies = 0
-    for tree in trees:
-        message = inflate_object_from_contents(
-            tree.object_id, {t.object_id: objects[t.object_id] for t in iterate_object_tree(tree)},
-            keep_object_contents=True)
-        assert isinstance(message, Message)
+    for message in recorded_messages(requests):
         content = message.content
         allowed = {records.INFO, records.METRICS, records.LAYOUT} | {
             records.WEIGHTS_PREFIX + p
