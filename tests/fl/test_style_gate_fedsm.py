@@ -195,3 +195,14 @@ def test_style_routing_needs_a_gamma_bundle_with_a_gate():
         MethodSpec.from_dict({**base, "site_routing": "style", "style_gate": "off"})
     with pytest.raises(ConfigError, match="site_routing must be 'selector' or 'style'"):
         MethodSpec.from_dict({**base, "site_routing": "gate"})
+
+
+def test_simulation_setting_is_checked_before_training():
+    from engine.simulate import SimulationConfig
+
+    assert SimulationConfig(methods=("fedsm",)).site_routing == "selector"
+    assert SimulationConfig(methods=("fedsm",), site_routing="style").site_routing == "style"
+    with pytest.raises(ConfigError, match="which is off"):
+        SimulationConfig(methods=("fedsm",), site_routing="style", style_gate=None)
+    with pytest.raises(ConfigError, match="site_routing must be 'selector' or 'style'"):
+        SimulationConfig(methods=("fedsm",), site_routing="nearest")
