@@ -55,9 +55,6 @@ ROUTINGS = ("gamma", "argmax", "none")
 #: single-model bundles do not route.
 ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
-#: How a FedSM (gamma) bundle picks an image's site: the trained selector and gamma (the paper's
-#: Algorithm 2), or the site-style gate's nearest site (:func:`engine.fl.style_gate.route_by_style`).
-SITE_ROUTINGS = ("selector", "style")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
 
@@ -289,6 +286,8 @@ class BundleMetadata:
             from engine.fl.style_gate import check_gate_metadata
 
             check_gate_metadata(self.style_gate, self.site_names, self.in_channels)
+        from engine.fl.style_gate import SITE_ROUTINGS
+
         if self.site_routing not in SITE_ROUTINGS:
             raise ConfigError(f"site_routing must be one of {SITE_ROUTINGS}, got {self.site_routing!r}")
         if self.site_routing == "style" and (self.routing != "gamma" or not self.style_gate):

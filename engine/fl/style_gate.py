@@ -77,6 +77,10 @@ DEFAULT_QUANTILE = 0.95
 #: one more bin collects everything above the last edge.
 DISTANCE_EDGES: np.ndarray = np.logspace(-2, 6, 801)
 
+#: How a FedSM bundle picks an image's site: the trained selector and gamma (the paper's
+#: Algorithm 2), or the gate's nearest site (:func:`route_by_style`).
+SITE_ROUTINGS = ("selector", "style")
+
 #: Server-state and payload part names.
 STATS_PART = "style_stats"
 GATE_PART = "style_gate"
@@ -261,8 +265,8 @@ def threshold_from_histograms(hists: Sequence[Mapping[str, torch.Tensor]], quant
     routing"). ``inf`` (every image passes) when no site sent a validation image.
     """
     check_quantile(quantile)
-    edges = [histogram_quantile(h["counts"].double().numpy(), quantile) for h in hists]
-    edges = [e for e, h in zip(edges, hists, strict=True) if float(h["counts"].sum()) > 0]
+    edges = [histogram_quantile(h["counts"].double().numpy(), quantile) for h in hists
+             if float(h["counts"].sum()) > 0]
     if not edges:
         return float("inf")
     return float(margin * np.median(edges))
@@ -289,7 +293,7 @@ def parse_style_gate(value: object) -> float | None:
 
 def check_site_routing(site_routing: object, style_gate: float | None) -> str:
     """A FedSM ``site_routing`` setting: ``"selector"`` (the paper's) or ``"style"`` (needs the gate on)."""
-    if site_routing not in ("selector", "style"):
+    if site_routing not in SITE_ROUTINGS:
         raise ConfigError(f"site_routing must be 'selector' or 'style', got {site_routing!r}")
     if site_routing == "style" and style_gate is None:
         raise ConfigError("site_routing 'style' routes by the site-style gate, which is off; turn it on "
@@ -360,16 +364,6 @@ def gate_nearest(images: np.ndarray, meta: Mapping[str, object],
     outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]
                else np.zeros(len(distance), dtype=bool))
     return distance, (nearest + 1).astype(np.int64), outside
-
-
-def outside_gate(images: np.ndarray, meta: Mapping[str, object], site_names: Sequence[str]) -> np.ndarray:
-    """``bool (N,)``: the images a bundle's gate sends to the global model (unlike every site it knows).
-
-    ``images`` are at the U-Nets' input size, normalised as in training.
-    """
-    if meta["threshold"] is None:
-        return np.zeros(len(images), dtype=bool)
-    return gate_nearest(images, meta, site_names)[2]
 
 
 def route_by_style(nearest: np.ndarray, outside: np.ndarray) -> np.ndarray:

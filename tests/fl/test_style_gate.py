@@ -16,8 +16,8 @@ from engine.fl.style_gate import (
     distance_histogram,
     fit_style_gate,
     gate_metadata,
+    gate_nearest,
     histogram_quantile,
-    outside_gate,
     parse_style_gate,
     style_descriptors,
     style_distances,
@@ -149,7 +149,7 @@ def test_bundle_metadata_round_trip_and_routing() -> None:
     meta = gate_metadata(state, ["a", "b"])
     check_gate_metadata(meta, ["a", "b"], 1)
     mid_grey = np.full((2, 1, 8, 8), 0.5)  # neither site's style
-    out = outside_gate(np.concatenate([dark[:2], mid_grey]), meta, ["a", "b"])
+    out = gate_nearest(np.concatenate([dark[:2], mid_grey]), meta, ["a", "b"])[2]
     assert out.tolist() == [False, False, True, True]
     with pytest.raises(ConfigError, match="site_names"):
         check_gate_metadata({**meta, "sites": ["a", "c"]}, ["a", "b"], 1)
@@ -158,4 +158,4 @@ def test_bundle_metadata_round_trip_and_routing() -> None:
     assert gate_metadata({k: v for k, v in state.items() if k != "threshold"}, ["a", "b"]) == {}
     unlimited = gate_metadata({**state, "threshold": torch.tensor([float("inf")], dtype=torch.float64)}, ["a", "b"])
     assert unlimited["threshold"] is None
-    assert not outside_gate(mid_grey, unlimited, ["a", "b"]).any()
+    assert not gate_nearest(mid_grey, unlimited, ["a", "b"])[2].any()
