@@ -35,9 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.data.preprocess import resize_images
 from engine.fl.selector_training import confidence_summary, expected_calibration_error
-from engine.fl.style_gate import gate_nearest, route_by_style
+from engine.fl.style_gate import route_by_style
 from engine.inference.guard import apply_guard, guard_decisions
 from engine.inference.routing import route_fedsm
 
@@ -66,16 +65,13 @@ class _Scored:
 def _score(predictor: Any, site: SiteImages) -> _Scored:
     """Selector probabilities and every model's masks for one site's images."""
     masks = []
-    probs = unlike = None
+    first = None
     for model in range(predictor.num_models):
         pred = predictor.predict(site.images, force_model=model, routing_guard=False)
-        probs = pred.probabilities if probs is None else probs
-        unlike = pred.unlike_sites if unlike is None else unlike
+        first = pred if first is None else first
         masks.append(pred.masks)
-    meta = predictor.metadata
-    nearest = (gate_nearest(resize_images(site.images, meta.image_size), meta.style_gate, meta.site_names)[1]
-               if meta.style_gate else np.zeros(len(site.images), dtype=np.int64))
-    return _Scored(np.asarray(probs), np.stack(masks), np.asarray(unlike, dtype=bool), nearest)
+    return _Scored(np.asarray(first.probabilities), np.stack(masks), np.asarray(first.unlike_sites, dtype=bool),
+                   np.asarray(first.nearest_site, dtype=np.int64))
 
 
 def _gated(routed: np.ndarray, unlike: np.ndarray) -> np.ndarray:

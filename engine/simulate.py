@@ -504,7 +504,7 @@ class Simulation:
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
         from engine.bundle import BundleMetadata, SuperModelBundle
-        from engine.fl.style_gate import GATE_PART, gate_metadata
+        from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
         from engine.inference.guard import site_validation_from_state
 
         extra_method = method.name == "fedsm-extra"
@@ -528,7 +528,7 @@ class Simulation:
             rounds=method.total_rounds, val_dice=val_dice,
             site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
             routing_guard=bool(self.cfg.routing_guard) and guarded,
-            style_gate=gate, site_routing=self.cfg.site_routing if gate else "selector",
+            style_gate=gate, site_routing=bundle_site_routing(self.cfg.site_routing, gate),
             extra=details)
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])

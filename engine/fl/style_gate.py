@@ -36,12 +36,15 @@ distance OOD score (Lee et al., NeurIPS 2018) on hand-built style features inste
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
 from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: Descriptor layout this engine computes and records in bundles; a new layout gets a new name
 #: and the old ones stay readable (:data:`PER_CHANNEL`), so older bundles keep routing as they did.
@@ -299,6 +302,16 @@ def check_site_routing(site_routing: object, style_gate: float | None) -> str:
         raise ConfigError("site_routing 'style' routes by the site-style gate, which is off; turn it on "
                           "(--style-gate 0.95, [training] style_gate = 0.95) or route by the selector")
     return str(site_routing)
+
+
+def bundle_site_routing(requested: str, gate_meta: Mapping[str, object]) -> str:
+    """The ``site_routing`` a bundle records: ``requested``, except that style routing without a
+    fitted gate (no site sent statistics, or no last round) falls back to the selector, with a warning."""
+    if requested == "style" and not gate_meta:
+        log.warning("style routing was asked for, but the federation fitted no site-style gate; the super "
+                    "model routes by its selector and gamma instead")
+        return "selector"
+    return requested
 
 
 def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -> dict[str, object]:

@@ -53,6 +53,9 @@ class Prediction:
     unlike_sites
         ``bool (N,)``: images the site-style gate found unlike every participating site's images
         (:mod:`engine.fl.style_gate`); they go to the global model. All ``False`` without a gate.
+    nearest_site
+        ``int64 (N,)``: the site (1..K) whose images each image is most alike under the gate,
+        what style routing picks inside the gate; all 0 without a gate.
     """
 
     masks: np.ndarray
@@ -62,6 +65,7 @@ class Prediction:
     reasons: list[str] = field(default_factory=list)
     guarded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     unlike_sites: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    nearest_site: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def routed_names(self, site_names: Sequence[str]) -> list[str]:
         """Name of the model used per image: ``"global"`` or the site's name."""
@@ -296,6 +300,7 @@ class SuperModelPredictor:
             guard_on = meta.routing_guard if routing_guard is None else bool(routing_guard)
             gate_on = bool(meta.style_gate) and (style_gate is None or bool(style_gate))
             unlike = np.zeros(n, dtype=bool)
+            nearest = np.zeros(n, dtype=np.int64)
             style = None  # (distance, nearest site) per image under the gate
             if self.selector is not None and meta.style_gate and meta.routing == "gamma":
                 # computed whenever the bundle has a gate, so forced and ungated runs still report it
@@ -343,6 +348,7 @@ class SuperModelPredictor:
             reasons=reasons,
             guarded=guarded,
             unlike_sites=unlike,
+            nearest_site=nearest,
         )
 
     @staticmethod

@@ -206,3 +206,20 @@ def test_simulation_setting_is_checked_before_training():
         SimulationConfig(methods=("fedsm",), site_routing="style", style_gate=None)
     with pytest.raises(ConfigError, match="site_routing must be 'selector' or 'style'"):
         SimulationConfig(methods=("fedsm",), site_routing="nearest")
+
+
+def test_style_routing_without_a_fitted_gate_falls_back_to_the_selector_and_says_so(caplog):
+    from engine.fl.style_gate import bundle_site_routing
+
+    assert bundle_site_routing("style", {"threshold": 1.0}) == "style"
+    assert bundle_site_routing("selector", {}) == "selector"
+    with caplog.at_level("WARNING", logger="engine.fl.style_gate"):
+        assert bundle_site_routing("style", {}) == "selector"
+    assert "fitted no site-style gate" in caplog.text
+
+
+def test_predictions_carry_each_images_nearest_site():
+    bundle, dark = _gated_bundle()
+    predictor = SuperModelPredictor(bundle, device="cpu")
+    pred = predictor.predict(np.concatenate([dark[:1], dark[:1] + 0.1]), force_model=0)
+    assert pred.nearest_site.tolist() == [1, 2] and pred.routed.tolist() == [0, 0]

@@ -148,7 +148,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     files: dict[str, str] = {}
     if spec.method in ("fedsm", "fedsm-extra"):
         from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
-        from engine.fl.style_gate import GATE_PART, gate_metadata
+        from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
         from engine.inference.guard import site_validation_from_state
         from engine.tasks import get_task
 
@@ -164,7 +164,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
-            style_gate=gate, site_routing=spec.site_routing if gate else "selector",
+            style_gate=gate, site_routing=bundle_site_routing(spec.site_routing, gate),
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
                    "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop,
                    **({"gamma_choice": {k: float(v[0]) for k, v in state["selector_gamma"].items()}}
