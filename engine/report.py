@@ -66,6 +66,7 @@ def _selector_lines(sel: dict[str, Any]) -> list[str]:
              + (f", unseen {_fmt(sel['confidence']['unseen'].get('quantiles', {}).get('median'))}"
                 if "unseen" in sel["confidence"] else "") + ".", "",
              *([_gamma_choice_line(sel["gamma_choice"]), ""] if "gamma_choice" in sel else []),
+             *([_routing_choice_line(sel["routing_choice"]), ""] if "routing_choice" in sel else []),
              "| gamma | seen to global | seen to own site | seen to other site | unseen to global |",
              "|---|---|---|---|---|"]
     for row in sel["routing_per_gamma"]:
@@ -91,6 +92,15 @@ def _selector_lines(sel: dict[str, Any]) -> list[str]:
     lines += ["", "Routing guard: personalized models allowed for "
               + (", ".join(allowed) if allowed else "no site") + "."]
     return lines
+
+
+def _routing_choice_line(choice: dict[str, float]) -> str:
+    """One sentence on the rule ``site_routing: auto`` kept, and why."""
+    rule = "style routing" if choice.get("style") else "the selector"
+    return (f"Site routing (auto): the federation kept {rule}; on the participating sites' validation images "
+            f"the selector sent {_fmt(choice.get('selector_own'))} to their own site's model at the run's gamma, "
+            f"style routing {_fmt(choice.get('style_own'))} (before the gate; "
+            f"{int(choice.get('images', 0))} images).")
 
 
 def _fmt(x: float | None) -> str:

@@ -25,6 +25,9 @@ index into those predictions. Reported:
   ``guard_on`` / ``guard_off`` route as the super model does (gate applied) and
   ``gate_off`` is the guarded routing by the selector alone, and ``style`` the guarded style
   routing. ``routing`` names the rule the bundle itself uses (``guard_on`` follows it).
+- ``routing_choice`` (``site_routing: auto``): the rule the federation kept and the shares of
+  participating validation images each rule sent to their own site's model
+  (:mod:`engine.fl.routing_choice`).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
         "calibration": meta.extra.get("selector_calibration", "none"),
         "gamma": float(gamma),
         **({"gamma_choice": meta.extra["gamma_choice"]} if "gamma_choice" in meta.extra else {}),
+        **({"routing_choice": meta.extra["routing_choice"]} if "routing_choice" in meta.extra else {}),
         "confidence": {"seen": confidence_summary(probs.max(1) if len(probs) else probs)},
         "ece": {"participating": expected_calibration_error(probs, labels),
                 "accuracy": float((probs.argmax(1) == labels).mean()) if len(labels) else float("nan")},

@@ -88,9 +88,10 @@ class SimulationConfig:
     routing_guard: bool = True
     #: Site-style gate quantile (:mod:`engine.fl.style_gate`); ``None``: off.
     style_gate: float | None = 0.95
-    #: How FedSM bundles pick an image's site: ``"selector"`` (the paper's) or ``"style"``
-    #: (the gate's nearest site, :func:`engine.fl.style_gate.route_by_style`).
-    site_routing: str = "selector"
+    #: How FedSM bundles pick an image's site: ``"auto"`` (the rule that sends more participating
+    #: validation images to their own site's model, :mod:`engine.fl.routing_choice`), ``"selector"``
+    #: (the paper's) or ``"style"`` (the gate's nearest site, :func:`engine.fl.style_gate.route_by_style`).
+    site_routing: str = "auto"
     holdout_site: str | None = None
     slices: int | None = None
     #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
@@ -293,7 +294,7 @@ class Simulation:
             return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam,
                            gamma=0.6 if auto else float(cfg.gamma), selector_calibration=cfg.selector_calibration,
                            selector_warmup=cfg.selector_warmup, gamma_pass=cfg.gamma_pass if auto else None,
-                           style_gate=cfg.style_gate)
+                           style_gate=cfg.style_gate, site_routing=cfg.site_routing)
         if name == "fedsm-extra":  # argmax routing: gamma is not used
             return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
                                 lam=cfg.lam, gamma=0.6 if cfg.gamma == "auto" else float(cfg.gamma),
@@ -504,6 +505,7 @@ class Simulation:
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
         from engine.bundle import BundleMetadata, SuperModelBundle
+        from engine.fl.routing_choice import CHOICE_PART, choice_summary
         from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
         from engine.inference.guard import site_validation_from_state
 
@@ -515,6 +517,8 @@ class Simulation:
             details["selector_temperature"] = float(state["selector_calibration"]["temperature"][0])
         if "selector_gamma" in state:  # --gamma auto: the federation's choice and what it rests on
             details["gamma_choice"] = {k: float(v[0]) for k, v in state["selector_gamma"].items()}
+        if CHOICE_PART in state:  # site_routing auto: the rule kept and the validation shares it rests on
+            details["routing_choice"] = choice_summary(state[CHOICE_PART])
         routing_gamma = getattr(method, "routing_gamma", None)
         gate = {} if extra_method else gate_metadata(state.get(GATE_PART, {}), [s.name for s in self.sites])
         meta = BundleMetadata(
@@ -528,7 +532,7 @@ class Simulation:
             rounds=method.total_rounds, val_dice=val_dice,
             site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
             routing_guard=bool(self.cfg.routing_guard) and guarded,
-            style_gate=gate, site_routing=bundle_site_routing(self.cfg.site_routing, gate),
+            style_gate=gate, site_routing=bundle_site_routing(self.cfg.site_routing, gate, state.get(CHOICE_PART)),
             extra=details)
         return SuperModelBundle(meta, state["global"], {s.name: state[f"personal/{s.name}"] for s in self.sites},
                                 state["selector"])

@@ -122,10 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FedSM: send images unlike every participating site's images (a federated Gaussian "
                         "of intensity statistics) to the global model; the threshold lets this share of the "
                         "sites' validation images through (default 0.95; 'off' routes by the selector alone)")
-    p.add_argument("--site-routing", choices=["selector", "style"], default="selector",
-                   help="FedSM: pick each image's site with the trained selector and gamma (default, the "
-                        "paper's), or with the style gate's nearest site (images outside the gate go to the "
-                        "global model; gamma unused)")
+    p.add_argument("--site-routing", choices=["auto", "selector", "style"], default="auto",
+                   help="FedSM: pick each image's site with the trained selector and gamma (the paper's), with "
+                        "the style gate's nearest site (images outside the gate go to the global model; gamma "
+                        "unused), or auto (default): whichever of the two sends more of the sites' validation "
+                        "images to their own site's model, measured in the last round")
     p.add_argument("--slices", type=int, default=None,
                    help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",

@@ -55,9 +55,10 @@ class MethodSpec:
     #: FedSM's site-style gate: the quantile of the sites' validation distances it lets through, or
     #: ``"off"`` / ``false`` (engine.fl.style_gate)
     style_gate: float | None = 0.95
-    #: How FedSM's bundle picks an image's site: ``"selector"`` (the paper's selector and gamma) or
-    #: ``"style"`` (the style gate's nearest site; engine.fl.style_gate.route_by_style)
-    site_routing: str = "selector"
+    #: How FedSM's bundle picks an image's site: ``"auto"`` (the better of the two below on the sites'
+    #: validation images; engine.fl.routing_choice), ``"selector"`` (the paper's selector and gamma)
+    #: or ``"style"`` (the style gate's nearest site; engine.fl.style_gate.route_by_style)
+    site_routing: str = "auto"
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = "none"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
@@ -196,7 +197,7 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
         return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                        gamma=0.6 if auto else float(spec.gamma), selector_calibration=spec.selector_calibration,
                        selector_warmup=int(spec.selector_warmup), gamma_pass=spec.gamma_pass if auto else None,
-                       style_gate=spec.style_gate)
+                       style_gate=spec.style_gate, site_routing=spec.site_routing)
     if spec.method == "fedsm-extra":  # argmax routing: gamma is not used
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                             gamma=0.6 if auto else float(spec.gamma), extra_rounds=int(spec.extra_rounds or 1))

@@ -15,6 +15,7 @@ so a transport only has to move tensors, counts and metrics. Both the in-process
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,15 @@ from engine.fl.local_training import (
     train_scaffold_round,
     train_segmentation_round,
     train_selector_round,
+)
+from engine.fl.routing_choice import (
+    AUTO,
+    CHOICE_PART,
+    ROUTING_PART,
+    check_routing_statistics,
+    choose_site_routing,
+    selector_own_share,
+    style_routing_statistics,
 )
 from engine.fl.selector_calibration import (
     STAT_KEYS,
@@ -61,6 +71,7 @@ from engine.fl.style_gate import (
     STATS_PART,
     check_distance_histogram,
     check_quantile,
+    check_site_routing,
     check_style_statistics,
     distance_histogram,
     fit_style_gate,
@@ -85,8 +96,10 @@ TEMPERATURE_PART = "selector_temperature"
 #: Payload part of a site's own-site confidence histogram (last round, ``gamma_pass`` set: ``--gamma auto``).
 GAMMA_PART = "selector_gamma"
 #: Parts a FedSM site's last-round answer may hold (besides the style gate's histogram).
-LAST_ROUND_PARTS = frozenset({"selector_stats", TEMPERATURE_PART, GAMMA_PART})
+LAST_ROUND_PARTS = frozenset({"selector_stats", TEMPERATURE_PART, GAMMA_PART, ROUTING_PART})
 
+
+log = logging.getLogger(__name__)
 
 def derived_seed(*parts: object) -> int:
     """Stable 63-bit seed from any parts (same value in every process and Python version)."""
@@ -412,6 +425,13 @@ class FedSM(FederatedMethod):
         site in state ``"style_stats"`` and refits state ``"style_gate"``); the last round sends a
         histogram of its validation images' distances (part ``"style_hist"``), from which the
         server sets the gate's threshold at this quantile. Images beyond it go to the global model.
+    site_routing
+        ``"auto"`` (default), ``"selector"`` or ``"style"``: how the super model picks an image's
+        site (:mod:`engine.fl.routing_choice`). With ``"auto"``, the gate on and the reference
+        selector, the last round also sends the selector's own-site confidence histogram (part
+        ``"selector_gamma"``) and the style rule's counts (part ``"routing_stats"``); the server
+        keeps the rule that sends more validation images to their own site's model (state
+        ``"site_routing_choice"``). Without the gate, or with ``lda``, ``"auto"`` is the selector.
     """
 
     name = "fedsm"
@@ -419,7 +439,8 @@ class FedSM(FederatedMethod):
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
                  selector_calibration: str = "none", selector_warmup: int = 0,
-                 gamma_pass: float | None = None, style_gate: float | None = None) -> None:
+                 gamma_pass: float | None = None, style_gate: float | None = None,
+                 site_routing: str = AUTO) -> None:
         super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
         if not 0.0 <= gamma <= 1.0:
@@ -438,6 +459,12 @@ class FedSM(FederatedMethod):
                               "last round); choose --selector-calibration none or temperature, or a number for --gamma")
         self.gamma_pass = None if gamma_pass is None else check_pass_fraction(gamma_pass)
         self.style_quantile = None if style_gate is None else check_quantile(style_gate)
+        self.site_routing = check_site_routing(site_routing, self.style_quantile)
+
+    @property
+    def compares_routings(self) -> bool:
+        """Whether the last round measures the selector against style routing (``site_routing="auto"``)."""
+        return self.site_routing == AUTO and self.style_quantile is not None and self.reference_selector
 
     def routing_gamma(self, state: Mapping[str, Weights]) -> float:
         """The gamma the super model routes with: the federation's choice when ``gamma_pass`` is set."""
@@ -507,6 +534,11 @@ class FedSM(FederatedMethod):
             if GAMMA_PART in parts:
                 check_histogram_statistics(update.weights[GAMMA_PART], len(self._gamma_temperatures()),
                                            f"confidence histogram from {site}")
+            if ROUTING_PART in parts:
+                if not self.compares_routings:
+                    raise ConfigError(f"update from {site} sends style-routing counts, but this federation does "
+                                      "not compare routing rules")
+                check_routing_statistics(update.weights[ROUTING_PART], f"style-routing counts from {site}")
             check_validation_metrics(update.metrics, f"validation Dice from {site}")
             if update.num_samples <= 0:
                 raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
@@ -592,6 +624,16 @@ class FedSM(FederatedMethod):
                 if f"val_dice_{which}" in u.metrics}
         if dice:
             new["validation_dice"] = {**state.get("validation_dice", {}), **dice}
+        counted = [u.weights[ROUTING_PART] for u in updates.values() if ROUTING_PART in u.weights]
+        if self.compares_routings and counted:
+            row = self._gamma_temperatures().index(temperature) if self.selector_calibration == "temperature" else 0
+            share = selector_own_share([u.weights[GAMMA_PART] for u in updates.values() if GAMMA_PART in u.weights],
+                                       self.routing_gamma(new), row)
+            choice = choose_site_routing(share, counted)
+            new[CHOICE_PART] = {k: torch.tensor([v], dtype=torch.float64) for k, v in choice.items()}
+            log.info("site routing: %s (validation images to their own site's model: selector %.3f at gamma %.2f, "
+                     "style %.3f)", "style" if choice["style"] else "selector", choice["selector_own"],
+                     self.routing_gamma(new), choice["style_own"])
         return new
 
     def _gamma_temperatures(self) -> tuple[float, ...]:
@@ -637,16 +679,18 @@ class FedSM(FederatedMethod):
         images = val.images if val is not None and len(val.images) else site.train.images
         if self.selector_calibration == "lda":
             parts = self._statistics_update(instructions, site, np.full(n, site.index)).weights
-        elif self.selector_calibration == "temperature" or self.gamma_pass is not None:
+        elif self.selector_calibration == "temperature" or self.gamma_pass is not None or self.compares_routings:
             logits = selector_logits(self.task, w["selector"], self.num_selector_classes, images, self.training)
             labels = np.full(len(images), site.index)
             if self.selector_calibration == "temperature":
                 parts[TEMPERATURE_PART] = temperature_statistics(logits, labels)
-            if self.gamma_pass is not None:
+            if self.gamma_pass is not None or self.compares_routings:
                 parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
         if GATE_PART in w:
-            distances, _ = style_distances(style_descriptors(images), w[GATE_PART])
+            distances, nearest = style_distances(style_descriptors(images), w[GATE_PART])
             parts[HIST_PART] = distance_histogram(distances)
+            if self.compares_routings:
+                parts[ROUTING_PART] = style_routing_statistics(nearest, site.index)
         return SiteUpdate(parts, n, metrics)
 
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,

@@ -295,23 +295,35 @@ def parse_style_gate(value: object) -> float | None:
 
 
 def check_site_routing(site_routing: object, style_gate: float | None) -> str:
-    """A FedSM ``site_routing`` setting: ``"selector"`` (the paper's) or ``"style"`` (needs the gate on)."""
-    if site_routing not in SITE_ROUTINGS:
-        raise ConfigError(f"site_routing must be 'selector' or 'style', got {site_routing!r}")
+    """A FedSM ``site_routing`` setting: ``"auto"`` (default: the better of the two on validation data,
+    :mod:`engine.fl.routing_choice`), ``"selector"`` (the paper's) or ``"style"`` (needs the gate on)."""
+    from engine.fl.routing_choice import AUTO
+
+    if site_routing != AUTO and site_routing not in SITE_ROUTINGS:
+        raise ConfigError(f"site_routing must be 'auto', 'selector' or 'style', got {site_routing!r}")
     if site_routing == "style" and style_gate is None:
         raise ConfigError("site_routing 'style' routes by the site-style gate, which is off; turn it on "
                           "(--style-gate 0.95, [training] style_gate = 0.95) or route by the selector")
     return str(site_routing)
 
 
-def bundle_site_routing(requested: str, gate_meta: Mapping[str, object]) -> str:
-    """The ``site_routing`` a bundle records: ``requested``, except that style routing without a
-    fitted gate (no site sent statistics, or no last round) falls back to the selector, with a warning."""
-    if requested == "style" and not gate_meta:
+def bundle_site_routing(requested: str, gate_meta: Mapping[str, object],
+                        choice: Mapping[str, torch.Tensor] | None = None) -> str:
+    """The ``site_routing`` a bundle records.
+
+    ``requested``, with ``"auto"`` resolved to the federation's validation choice (``choice``, the
+    server's :data:`engine.fl.routing_choice.CHOICE_PART`; the selector without one); style routing
+    without a fitted gate (no site sent statistics, or no last round) falls back to the selector,
+    with a warning.
+    """
+    from engine.fl.routing_choice import chosen_rule
+
+    rule = chosen_rule(requested, choice)
+    if rule == "style" and not gate_meta:
         log.warning("style routing was asked for, but the federation fitted no site-style gate; the super "
                     "model routes by its selector and gamma instead")
         return "selector"
-    return requested
+    return rule
 
 
 def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -> dict[str, object]:

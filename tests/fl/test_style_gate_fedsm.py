@@ -188,23 +188,23 @@ def test_style_routing_needs_a_gamma_bundle_with_a_gate():
     from engine.federation.spec import MethodSpec
 
     base = {"method": "fedsm", "task": "fundus", "site_names": ("a", "b"), "rounds": 1, "image_size": 32}
-    assert MethodSpec(**base).site_routing == "selector"
+    assert MethodSpec(**base).site_routing == "auto"
     style = MethodSpec.from_dict({**base, "site_routing": "style"})
     assert MethodSpec.from_json(style.to_json()).site_routing == "style"
     with pytest.raises(ConfigError, match="which is off"):
         MethodSpec.from_dict({**base, "site_routing": "style", "style_gate": "off"})
-    with pytest.raises(ConfigError, match="site_routing must be 'selector' or 'style'"):
+    with pytest.raises(ConfigError, match="site_routing must be 'auto', 'selector' or 'style'"):
         MethodSpec.from_dict({**base, "site_routing": "gate"})
 
 
 def test_simulation_setting_is_checked_before_training():
     from engine.simulate import SimulationConfig
 
-    assert SimulationConfig(methods=("fedsm",)).site_routing == "selector"
+    assert SimulationConfig(methods=("fedsm",)).site_routing == "auto"
     assert SimulationConfig(methods=("fedsm",), site_routing="style").site_routing == "style"
     with pytest.raises(ConfigError, match="which is off"):
         SimulationConfig(methods=("fedsm",), site_routing="style", style_gate=None)
-    with pytest.raises(ConfigError, match="site_routing must be 'selector' or 'style'"):
+    with pytest.raises(ConfigError, match="site_routing must be 'auto', 'selector' or 'style'"):
         SimulationConfig(methods=("fedsm",), site_routing="nearest")
 
 

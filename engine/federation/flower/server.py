@@ -148,6 +148,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     files: dict[str, str] = {}
     if spec.method in ("fedsm", "fedsm-extra"):
         from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+        from engine.fl.routing_choice import CHOICE_PART, choice_summary
         from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
         from engine.inference.guard import site_validation_from_state
         from engine.tasks import get_task
@@ -164,11 +165,12 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",
-            style_gate=gate, site_routing=bundle_site_routing(spec.site_routing, gate),
+            style_gate=gate, site_routing=bundle_site_routing(spec.site_routing, gate, state.get(CHOICE_PART)),
             extra={"seed": spec.seed, "session": session, "app_hash": app_hash, "trained_by": "fedsm server",
                    "site_dice": site_dice or {}, "fundus_crop": spec.fundus_crop,
                    **({"gamma_choice": {k: float(v[0]) for k, v in state["selector_gamma"].items()}}
-                      if "selector_gamma" in state else {})})
+                      if "selector_gamma" in state else {}),
+                   **({"routing_choice": choice_summary(state[CHOICE_PART])} if CHOICE_PART in state else {})})
         bundle = SuperModelBundle(meta, state["global"], {s: state[f"personal/{s}"] for s in spec.site_names},
                                   state["selector"])
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
