@@ -175,7 +175,7 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
         allowed = {records.INFO, records.METRICS, records.LAYOUT} | {
             records.WEIGHTS_PREFIX + p
             for p in ("global", "personal", "selector", "selector_optim", "selector_stats", "selector_temperature",
-                      "style_stats", "style_hist")}
+                      "style_stats", "style_hist", "selector_gamma", "routing_stats")}
         assert set(content) <= allowed, set(content)
         info = content.config_records[records.INFO]
         assert set(info) <= {"site", "round"} and info["site"] in SITES
@@ -192,6 +192,10 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
                     assert name in ("count", "sum", "outer") and tensor.numel() <= d * d
                 elif part == "style_hist":  # a histogram of validation distances, no per-image value
                     assert name == "counts" and tensor.dim() == 1
+                elif part == "selector_gamma":  # site_routing auto: a confidence histogram and a missed count
+                    assert (name, tuple(tensor.shape)) in (("counts", (1, 100)), ("missed", (1, 1)))
+                elif part == "routing_stats":  # site_routing auto: two whole numbers
+                    assert name in ("style_own", "count") and tuple(tensor.shape) == (1,)
                 elif part == "selector_optim":  # Adam moments of selector parameters, and the step count
                     moment = name.removeprefix("exp_avg_sq.").removeprefix("exp_avg.")
                     assert name == "step" or shapes[moment] == tuple(tensor.shape), (part, name)
