@@ -98,8 +98,8 @@ GAMMA_PART = "selector_gamma"
 #: Parts a FedSM site's last-round answer may hold (besides the style gate's histogram).
 LAST_ROUND_PARTS = frozenset({"selector_stats", TEMPERATURE_PART, GAMMA_PART, ROUTING_PART})
 
-
 log = logging.getLogger(__name__)
+
 
 def derived_seed(*parts: object) -> int:
     """Stable 63-bit seed from any parts (same value in every process and Python version)."""
@@ -538,6 +538,9 @@ class FedSM(FederatedMethod):
                 if not self.compares_routings:
                     raise ConfigError(f"update from {site} sends style-routing counts, but this federation does "
                                       "not compare routing rules")
+                if GAMMA_PART not in parts:
+                    raise ConfigError(f"update from {site} sends style-routing counts without the selector's "
+                                      "confidence histogram of the same images")
                 check_routing_statistics(update.weights[ROUTING_PART], f"style-routing counts from {site}")
             check_validation_metrics(update.metrics, f"validation Dice from {site}")
             if update.num_samples <= 0:

@@ -135,5 +135,8 @@ def test_unasked_counts_are_refused(tiny_training):
     last = SiteUpdate({ROUTING_PART: style(1, 3)}, 4, {"val_dice_global": 0.5, "val_dice_personal": 0.5})
     with pytest.raises(ConfigError, match="does not compare routing rules"):
         method.validate_update(state, "site1", last)
+    comparing = FedSM(FUNDUS, [s.name for s in rts], tiny_training, seed=0, rounds=1, lam=0.5, style_gate=0.95)
+    with pytest.raises(ConfigError, match="without the selector's confidence histogram"):
+        comparing.validate_update(comparing.initial_state(), "site1", last)
     with pytest.raises(ConfigError, match="site_routing must be"):
         FedSM(FUNDUS, [s.name for s in rts], tiny_training, seed=0, rounds=1, lam=0.5, site_routing="nearest")
