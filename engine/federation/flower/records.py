@@ -13,7 +13,9 @@ Reply (site -> coordinator)::
     "metrics"           MetricRecord   training metrics (floats) and "num-examples"
     "weights:<part>"    ArrayRecord    global, personal, selector, control_delta, selector_stats, and for
                                        FedSM's site-style gate style_stats (descriptor sums) and style_hist
-                                       (last round: a histogram of validation distances)
+                                       (last round: a histogram of validation distances); with
+                                       site_routing auto, last round: selector_gamma (a confidence
+                                       histogram) and routing_stats (two counts)
     "layout"            ConfigRecord   as above
 
 A part's tensors are packed into one flat array per dtype (:func:`pack`; the layout says
