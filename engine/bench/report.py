@@ -159,11 +159,14 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
         lines += ["", f"FedSM components ({task_name}): selector accuracy on held-out images of participating sites, "
                       "share of test images routed to the site's own model and to the global model, and Dice of "
                       "the routed super model, the global model alone and each site's personalized model on its "
-                      "own site (oracle routing).", ""]
+                      "own site (oracle routing); the rule that picked each image's site, runs per rule "
+                      "(FedSM's `site_routing` auto keeps the one that sent more validation images to their own "
+                      "site's model; FedSM-extra routes by its selector's argmax).", ""]
         lines += _table(["method", "selector acc.", "routed to own", "routed to global", "routed Dice",
-                         "global alone", "personalized (oracle)"],
+                         "global alone", "personalized (oracle)", "site picked by"],
                         [[T[r["method"]], _ms(r["selector_accuracy"], 3), _ms(r["own_share"], 2),
-                          _ms(r["global_share"], 2), _ms(r["routed"]), _ms(r["global_only"]), _ms(r["oracle"])]
+                          _ms(r["global_share"], 2), _ms(r["routed"]), _ms(r["global_only"]), _ms(r["oracle"]),
+                          r["rule"]]
                          for r in detail])
     traffic = [r for r in rows if r["received"][2]]
     if traffic:

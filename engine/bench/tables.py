@@ -125,8 +125,20 @@ def fedsm_detail_rows(results: Results, task: str) -> list[dict[str, Any]]:
             "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
             "global_only": _stat(runs, lambda r: r["extra"]["components"]["global_only"]["client_average"]["mean"]),
             "oracle": _stat(runs, lambda r: r["extra"]["components"]["personal_oracle"]["client_average"]["mean"]),
+            "rule": routing_rules(runs.values()),
         })
     return rows
+
+
+def routing_rules(runs: Any) -> str:
+    """How FedSM's runs picked each image's site: e.g. ``"style 2, selector 1"`` (``site_routing`` auto's
+    choice per run; runs without a recorded choice count as the selector, as their bundles route)."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        choice = r.get("extra", {}).get("selector", {}).get("routing_choice")
+        rule = "style" if choice and choice.get("style") else "selector"
+        counts[rule] = counts.get(rule, 0) + 1
+    return ", ".join(f"{rule} {n}" for rule, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def gamma_rows(sweeps: list[dict[str, Any]], own: bool) -> list[dict[str, Any]]:

@@ -258,3 +258,15 @@ def test_round_hook_sees_every_round_and_changes_nothing(tmp_path):
         results.append(sim.run_method("fedavg"))
     assert results[0].dice == results[1].dice
     assert seen == [("fedavg", 1, ["global"]), ("fedavg", 2, ["global"])]
+
+
+def test_routing_rules_count_the_rule_each_fedsm_run_kept():
+    from engine.bench.tables import routing_rules
+
+    def run(choice):
+        return {"extra": {"selector": {"routing_choice": choice} if choice is not None else {}}}
+
+    runs = [run({"style": 1.0}), run({"style": 0.0}), run({"style": 1.0}), run(None)]
+    assert routing_rules(runs) == "selector 2, style 2"
+    assert routing_rules(runs[:1] + runs[2:3]) == "style 2"
+    assert routing_rules([{"extra": {}}]) == "selector 1"  # FedSM-extra and older results: the selector
