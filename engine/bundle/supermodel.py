@@ -121,7 +121,9 @@ class BundleMetadata:
         Per-site validation Dice of the routed super model (``None`` where not measured).
     site_validation
         Per site, the validation Dice its site measured for the final global model and for its
-        own final personalized model: ``{"global": d, "personal": d}`` (either may be ``None``).
+        own final personalized model: ``{"global": d, "personal": d}`` (either may be ``None``),
+        and, from sites that report them, ``cases`` (validation cases) and ``diff_sd`` (standard
+        deviation over cases of personalized minus global Dice) for the guard's paired test.
         Empty in bundles written before the routing guard existed.
     routing_guard
         Whether inference routes to a site's personalized model only where that model beat the
@@ -275,10 +277,16 @@ class BundleMetadata:
         for site, scores in self.site_validation.items():
             if site not in self.site_names:
                 raise ConfigError(f"site_validation names site {site!r}, not one of site_names {self.site_names}")
-            if not isinstance(scores, dict) or not set(scores) <= {"global", "personal"}:
-                raise ConfigError(f"site_validation[{site!r}] must map 'global' and 'personal' to Dice values, "
-                                  f"got {scores!r}")
+            if not isinstance(scores, dict) or not set(scores) <= {"global", "personal", "cases", "diff_sd"}:
+                raise ConfigError(f"site_validation[{site!r}] must map 'global' and 'personal' to Dice values "
+                                  f"(and optionally 'cases' and 'diff_sd'), got {scores!r}")
+            cases = scores.get("cases")
+            if cases is not None and (not _is_number(cases) or cases < 0 or cases != round(cases)):
+                raise ConfigError(f"site_validation[{site!r}]['cases'] must be a whole number >= 0 or null, "
+                                  f"got {cases!r}")
             for which, dice in scores.items():
+                if which == "cases":
+                    continue
                 if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
                     raise ConfigError(f"site_validation[{site!r}][{which!r}] must be a number in [0, 1] or null, "
                                       f"got {dice!r}")

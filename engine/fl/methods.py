@@ -95,6 +95,9 @@ OPTIM_PART = "selector_optim"
 TEMPERATURE_PART = "selector_temperature"
 #: Payload part of a site's own-site confidence histogram (last round, ``gamma_pass`` set: ``--gamma auto``).
 GAMMA_PART = "selector_gamma"
+#: What a FedSM site reports of its validation data in the last round: server-state key -> metric.
+VALIDATION_METRICS = {"global": "val_dice_global", "personal": "val_dice_personal",
+                      "diff_sd": "val_dice_diff_sd", "cases": "val_cases"}
 #: Parts a FedSM site's last-round answer may hold (besides the style gate's histogram).
 LAST_ROUND_PARTS = frozenset({"selector_stats", TEMPERATURE_PART, GAMMA_PART, ROUTING_PART})
 
@@ -622,9 +625,9 @@ class FedSM(FederatedMethod):
                                                    if HIST_PART in u.weights], self.style_quantile)
             new[GATE_PART] = {**new[GATE_PART], "threshold": torch.tensor([threshold], dtype=torch.float64),
                               "quantile": torch.tensor([self.style_quantile], dtype=torch.float64)}
-        dice = {f"{site}.{which}": torch.tensor([u.metrics[f"val_dice_{which}"]], dtype=torch.float64)
-                for site, u in updates.items() for which in ("global", "personal")
-                if f"val_dice_{which}" in u.metrics}
+        dice = {f"{site}.{which}": torch.tensor([u.metrics[metric]], dtype=torch.float64)
+                for site, u in updates.items() for which, metric in VALIDATION_METRICS.items()
+                if metric in u.metrics}
         if dice:
             new["validation_dice"] = {**state.get("validation_dice", {}), **dice}
         counted = [u.weights[ROUTING_PART] for u in updates.values() if ROUTING_PART in u.weights]
@@ -733,6 +736,11 @@ def site_validation_dice(task: TaskSpec, weights: Mapping[str, Weights], site: S
                          training: LocalTrainingConfig) -> dict[str, float]:
     """Mean validation Dice of the received global and personalized models at ``site``.
 
+    With both models, also the number of validation cases (``val_cases``) and the sample
+    standard deviation over cases of the personalized model's Dice minus the global model's
+    (``val_dice_diff_sd``; 0 with one case), so the routing guard can ask whether the
+    personalized model's lead is larger than the noise of a few cases
+    (:mod:`engine.inference.guard`). Aggregates only: no per-case value leaves the site.
     ``{}`` when the site has no validation images (the guard then routes its images to global).
     """
     from engine.fl.evaluation import dice_per_case, segment_with
@@ -740,21 +748,32 @@ def site_validation_dice(task: TaskSpec, weights: Mapping[str, Weights], site: S
     val = site.validation
     if val is None or not len(val.images):
         return {}
-    out = {}
+    out: dict[str, float] = {}
+    per_case: dict[str, np.ndarray] = {}
     for which, key in (("global", "global"), ("personal", "personal")):
         if key in weights:
             masks = segment_with(task, weights[key], val.images, training.device)
-            out[f"val_dice_{which}"] = float(np.mean(dice_per_case(masks, val.masks, val.case_ids)))
+            per_case[which] = dice_per_case(masks, val.masks, val.case_ids).mean(axis=1)  # mean over structures
+            out[f"val_dice_{which}"] = float(np.mean(per_case[which]))
+    if len(per_case) == 2:
+        diff = per_case["personal"] - per_case["global"]
+        out["val_cases"] = float(len(diff))
+        out["val_dice_diff_sd"] = float(np.std(diff, ddof=1)) if len(diff) > 1 else 0.0
     return out
 
 
 def check_validation_metrics(metrics: Mapping[str, float], what: str) -> None:
-    """Reject validation Dice values that are not numbers in [0, 1]."""
-    for key in ("val_dice_global", "val_dice_personal"):
+    """Reject validation Dice values that are not numbers in [0, 1], a case count that is not a whole
+    number >= 0, and a standard deviation of Dice differences outside [0, 1]."""
+    for key in ("val_dice_global", "val_dice_personal", "val_dice_diff_sd"):
         if key in metrics:
             value = metrics[key]
             if not isinstance(value, int | float) or not np.isfinite(value) or not 0.0 <= value <= 1.0:
                 raise WeightsError(f"{what}: {key} is {value!r}, expected a number in [0, 1]")
+    if "val_cases" in metrics:
+        value = metrics["val_cases"]
+        if not isinstance(value, int | float) or not np.isfinite(value) or value < 0 or value != round(value):
+            raise WeightsError(f"{what}: val_cases is {value!r}, expected a whole number >= 0")
 
 
 class FedSMExtra(FedSM):

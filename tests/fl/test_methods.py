@@ -61,8 +61,35 @@ def test_fedsm_reference_selector_averages_adam_state(tiny_training):
     assert records[0].metrics["site1"]["selector_accuracy"] >= 0.0
     # the last round: no weights back, only both models' validation Dice, recorded for the guard
     assert records[2].bytes_from_site["site1"] == 0
-    assert set(state["validation_dice"]) == {f"{s}.{w}" for s in names(rts) for w in ("global", "personal")}
-    assert all(0.0 <= float(v[0]) <= 1.0 for v in state["validation_dice"].values())
+    assert set(state["validation_dice"]) == {f"{s}.{w}" for s in names(rts)
+                                             for w in ("global", "personal", "cases", "diff_sd")}
+    # each site holds 3 validation cases; the spread of the per-case Dice differences is a number in [0, 1]
+    assert all(float(state["validation_dice"][f"{s}.cases"][0]) == 3 for s in names(rts))
+    assert all(0.0 <= float(v[0]) <= 1.0 for k, v in state["validation_dice"].items() if not k.endswith(".cases"))
+
+
+def test_site_reports_its_validation_cases_and_the_spread_of_the_per_case_difference(tiny_training):
+    from engine.fl.evaluation import dice_per_case, segment_with
+    from engine.fl.methods import check_validation_metrics, site_validation_dice
+    from engine.models import build_segmentation_net
+
+    site = sites(1)[0]
+    torch.manual_seed(0)
+    weights = {w: build_segmentation_net(3, 2).state_dict() for w in ("global", "personal")}
+    metrics = site_validation_dice(FUNDUS, weights, site, tiny_training)
+    val = site.validation
+    per = {w: dice_per_case(segment_with(FUNDUS, weights[w], val.images, "cpu"), val.masks, val.case_ids).mean(1)
+           for w in ("global", "personal")}
+    assert metrics["val_cases"] == 3
+    assert metrics["val_dice_global"] == pytest.approx(per["global"].mean())
+    assert metrics["val_dice_diff_sd"] == pytest.approx(np.std(per["personal"] - per["global"], ddof=1))
+    check_validation_metrics(metrics, "site1")
+    with pytest.raises(WeightsError, match="val_cases"):
+        check_validation_metrics({**metrics, "val_cases": 2.5}, "site1")
+    with pytest.raises(WeightsError, match="val_dice_diff_sd"):
+        check_validation_metrics({**metrics, "val_dice_diff_sd": float("nan")}, "site1")
+    one = SiteRuntime("one", 0, site.train, validation=random_split(1, seed=3))
+    assert site_validation_dice(FUNDUS, weights, one, tiny_training)["val_dice_diff_sd"] == 0.0
 
 
 def test_fedsm_temperature_calibration_scales_last_layer(tiny_training):

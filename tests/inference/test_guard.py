@@ -116,3 +116,45 @@ def test_bad_site_validation_is_refused():
     with pytest.raises(ConfigError, match="site_validation names site"):
         BundleMetadata(task="fundus", label_names=["disc", "cup"], in_channels=3, image_size=32, selector_size=32,
                        site_names=["a"], site_validation={"b": {"global": 0.5}})
+
+
+def test_paired_test_lets_a_personalized_model_through_only_above_the_noise_of_its_cases():
+    # lead 0.05 over 4 cases with per-case spread 0.04: standard error 0.02, needed 1.645 * 0.02 = 0.0329
+    clear = {"global": 0.70, "personal": 0.75, "cases": 4.0, "diff_sd": 0.04}
+    # the same lead with spread 0.08: needed 0.0658 > 0.05 -> inside the noise
+    noisy = {"global": 0.70, "personal": 0.75, "cases": 4.0, "diff_sd": 0.08}
+    # just under the bar: lead 0.030 < needed 0.0329
+    level = {"global": 0.70, "personal": 0.73, "cases": 4.0, "diff_sd": 0.04}
+    single = {"global": 0.70, "personal": 0.90, "cases": 1.0, "diff_sd": 0.0}
+    behind = {"global": 0.70, "personal": 0.65, "cases": 9.0, "diff_sd": 0.001}
+    sites = ["clear", "noisy", "level", "single", "behind"]
+    decisions = guard_decisions(sites, dict(zip(sites, (clear, noisy, level, single, behind), strict=True)))
+    assert [d.allowed for d in decisions] == [True, False, False, False, False]
+    assert "lead 0.050 > 0.033, 1.645 standard errors over 4 cases" in decisions[0].why
+    assert "by 0.050, inside the noise of 4 cases (needs > 0.066" in decisions[1].why
+    assert "by 0.030, inside the noise of 4 cases (needs > 0.033" in decisions[2].why
+    assert "one validation case cannot show it" in decisions[3].why
+    assert "lost to global" in decisions[4].why
+    # spread 0 over several cases: any lead passes
+    assert guard_decisions(["s"], {"s": {"global": 0.7, "personal": 0.701, "cases": 3.0, "diff_sd": 0.0}})[0].allowed
+
+
+def test_state_to_metadata_keeps_the_paired_statistics():
+    t = {"a.global": 0.5, "a.personal": 0.625, "a.cases": 3.0, "a.diff_sd": 0.1}
+    state = {"validation_dice": {k: torch.tensor([v], dtype=torch.float64) for k, v in t.items()}}
+    assert site_validation_from_state(state, ["a"]) == {"a": {"global": 0.5, "personal": 0.625, "cases": 3.0,
+                                                              "diff_sd": 0.1}}
+
+
+def test_bundle_checks_the_paired_statistics():
+    def meta(scores):
+        return BundleMetadata(task="fundus", label_names=["disc", "cup"], in_channels=3, image_size=32,
+                              selector_size=32, site_names=["a"], site_validation={"a": scores})
+
+    assert meta({"global": 0.5, "personal": 0.6, "cases": 2.0, "diff_sd": 0.1}).site_validation["a"]["cases"] == 2.0
+    with pytest.raises(ConfigError, match="'cases'\\] must be a whole number"):
+        meta({"global": 0.5, "personal": 0.6, "cases": 2.5, "diff_sd": 0.1})
+    with pytest.raises(ConfigError, match="'diff_sd'\\] must be a number in \\[0, 1\\]"):
+        meta({"global": 0.5, "personal": 0.6, "cases": 2.0, "diff_sd": -0.1})
+    with pytest.raises(ConfigError, match="optionally 'cases' and 'diff_sd'"):
+        meta({"global": 0.5, "personal": 0.6, "spread": 0.1})
