@@ -69,15 +69,15 @@ def _tested(site: str, personal: float, glob: float, cases: int, spread: float) 
     lead = personal - glob
     scores = f"Dice {personal:.3f} vs {glob:.3f}"
     if cases < 2:
-        return GuardDecision(site, False, f"{site}'s model led global on {site}'s validation data ({scores}), "
-                                          "but one validation case cannot show it is better")
+        return GuardDecision(site, False, f"{site}'s model led global on {site}'s validation data ({scores}) "
+                                          "on a single case, which cannot show it is better")
     needed = GUARD_Z * spread / math.sqrt(cases)
     if lead > needed:
         return GuardDecision(site, True, f"{site}'s model beat global on {site}'s validation data ({scores}; "
                                          f"lead {lead:.3f} > {needed:.3f}, {GUARD_Z} standard errors over "
                                          f"{cases} cases)")
-    return GuardDecision(site, False, f"{site}'s model led global on {site}'s validation data ({scores}), but "
-                                      f"by {lead:.3f}, inside the noise of {cases} cases (needs > {needed:.3f}, "
+    return GuardDecision(site, False, f"{site}'s model led global on {site}'s validation data only by {lead:.3f} "
+                                      f"({scores}), inside the noise of {cases} cases (needs > {needed:.3f}, "
                                       f"{GUARD_Z} standard errors)")
 
 

@@ -131,9 +131,9 @@ def test_paired_test_lets_a_personalized_model_through_only_above_the_noise_of_i
     decisions = guard_decisions(sites, dict(zip(sites, (clear, noisy, level, single, behind), strict=True)))
     assert [d.allowed for d in decisions] == [True, False, False, False, False]
     assert "lead 0.050 > 0.033, 1.645 standard errors over 4 cases" in decisions[0].why
-    assert "by 0.050, inside the noise of 4 cases (needs > 0.066" in decisions[1].why
-    assert "by 0.030, inside the noise of 4 cases (needs > 0.033" in decisions[2].why
-    assert "one validation case cannot show it" in decisions[3].why
+    assert "only by 0.050 (Dice 0.750 vs 0.700), inside the noise of 4 cases (needs > 0.066" in decisions[1].why
+    assert "only by 0.030 (Dice 0.730 vs 0.700), inside the noise of 4 cases (needs > 0.033" in decisions[2].why
+    assert "on a single case, which cannot show it is better" in decisions[3].why
     assert "lost to global" in decisions[4].why
     # spread 0 over several cases: any lead passes
     assert guard_decisions(["s"], {"s": {"global": 0.7, "personal": 0.701, "cases": 3.0, "diff_sd": 0.0}})[0].allowed
