@@ -85,6 +85,12 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
     meta = read_metadata(fed.work / "supermodel.safetensors")
     assert sorted(summary["site_dice"]) == sorted(SITES) and meta.extra["site_dice"] == summary["site_dice"]
     assert all(meta.val_dice[s] == summary["site_dice"][s]["validation"]["personalized"] for s in SITES)
+    # Assert: site_routing auto's choice and the guard's paired statistics came through the network as simulated
+    simulated = read_metadata(simulated_supermodel)
+    assert meta.site_routing == simulated.site_routing and "routing_choice" in meta.extra
+    assert meta.extra["routing_choice"] == pytest.approx(simulated.extra["routing_choice"])
+    assert all({"cases", "diff_sd"} <= set(meta.site_validation[s]) for s in SITES)
+    assert all(meta.site_validation[s] == pytest.approx(simulated.site_validation[s]) for s in SITES)
     # Assert: what left the sites
     check_only_weights_counts_and_metrics_left(read_recorded(sent_by_sites), datalists)
     # Assert: progress events as the desktop app reads them
