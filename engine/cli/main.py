@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "fresh: as batch, with the running statistics re-estimated over each pass")
     p.add_argument("--routing-guard", action=argparse.BooleanOptionalAction, default=True,
                    help="route to a personalized model only where it beat the global model on its site's "
-                        "validation data (default on)")
+                        "validation data by more than the noise of its validation cases (a one-sided paired "
+                        "test; default on)")
     p.add_argument("--style-gate", type=_style_gate, default=0.95, metavar="QUANTILE|off",
                    help="FedSM: send images unlike every participating site's images (a federated Gaussian "
                         "of intensity statistics) to the global model; the threshold lets this share of the "
