@@ -12,7 +12,7 @@ cases and the difference's standard deviation; with one case nothing can be show
 before sites reported the spread keep the plain rule (strictly higher).
 
 Why the test: on ``cpu-converged`` prostate, the plain rule let personalized models through on
-validation leads of 0.002-0.009 Dice over a handful of volumes, and the super model then lost
+validation leads of 0.002-0.023 Dice over a handful of volumes, and the super model then lost
 0.008 and 0.016 to its own global model on the test volumes (docs/results.md).
 
 This is not in the FedSM paper: it bounds the super model by its own global model where
