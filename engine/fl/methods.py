@@ -633,13 +633,14 @@ class FedSM(FederatedMethod):
         counted = [u.weights[ROUTING_PART] for u in updates.values() if ROUTING_PART in u.weights]
         if self.compares_routings and counted:
             row = self._gamma_temperatures().index(temperature) if self.selector_calibration == "temperature" else 0
+            gamma = self.routing_gamma(new)
             share = selector_own_share([u.weights[GAMMA_PART] for u in updates.values() if GAMMA_PART in u.weights],
-                                       self.routing_gamma(new), row)
+                                       gamma, row)
             choice = choose_site_routing(share, counted)
             new[CHOICE_PART] = {k: torch.tensor([v], dtype=torch.float64) for k, v in choice.items()}
             log.info("site routing: %s (validation images to their own site's model: selector %.3f at gamma %.2f, "
-                     "style %.3f)", "style" if choice["style"] else "selector", choice["selector_own"],
-                     self.routing_gamma(new), choice["style_own"])
+                     "style %.3f)", "style" if choice["style"] else "selector", choice["selector_own"], gamma,
+                     choice["style_own"])
         return new
 
     def _gamma_temperatures(self) -> tuple[float, ...]:

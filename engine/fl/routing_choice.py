@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from engine.errors import WeightsError
-from engine.fl.selector_gamma import HISTOGRAM_KEY, MISSED_KEY
+from engine.fl.selector_gamma import summed_histogram
 from engine.fl.weights import Weights, all_finite
 
 #: Site-routing settings a federation accepts: ``auto`` chooses between the two rules a bundle
@@ -88,12 +88,9 @@ def selector_own_share(histograms: Sequence[Mapping[str, torch.Tensor]], gamma: 
     that ``gamma`` cuts is left out), over all images scored, missed ones included. NaN without
     images.
     """
-    if not histograms:
-        raise WeightsError("no confidence histograms arrived; at least one site must answer the last round")
-    bins = histograms[0][HISTOGRAM_KEY].shape[1]
-    counts = sum((h[HISTOGRAM_KEY][row].to(torch.float64) for h in histograms),
-                 torch.zeros(bins, dtype=torch.float64)).numpy()
-    missed = float(sum(float(h[MISSED_KEY][row].sum()) for h in histograms))
+    summed, missed = summed_histogram(histograms, row)
+    counts = summed.numpy()
+    bins = len(counts)
     total = float(counts.sum()) + missed
     if total <= 0:
         return float("nan")

@@ -136,6 +136,18 @@ def gamma_from_histogram(counts: np.ndarray | torch.Tensor, pass_fraction: float
     return float(max(edge, floor))
 
 
+def summed_histogram(stats: Sequence[Mapping[str, torch.Tensor]], row: int = 0) -> tuple[torch.Tensor, float]:
+    """All sites' own-site histograms added up (row ``row``) and their total missed count.
+
+    Used by :func:`choose_gamma` and by the routing choice (:mod:`engine.fl.routing_choice`).
+    """
+    if not stats:
+        raise WeightsError("no confidence histograms arrived; at least one site must answer the calibration round")
+    bins = stats[0][HISTOGRAM_KEY].shape[1]
+    counts = sum((s[HISTOGRAM_KEY][row].to(torch.float64) for s in stats), torch.zeros(bins, dtype=torch.float64))
+    return counts, float(sum(float(s[MISSED_KEY][row].sum()) for s in stats))
+
+
 def choose_gamma(stats: Sequence[Mapping[str, torch.Tensor]], pass_fraction: float, num_classes: int,
                  row: int = 0) -> dict[str, float]:
     """Gamma from all sites' statistics (row ``row``: the chosen temperature's).
@@ -146,11 +158,7 @@ def choose_gamma(stats: Sequence[Mapping[str, torch.Tensor]], pass_fraction: flo
         ``gamma``, ``pass_fraction``, ``images`` (validation images counted), ``accuracy``
         (share the selector assigns to their own site; NaN without images).
     """
-    if not stats:
-        raise WeightsError("no confidence histograms arrived; at least one site must answer the calibration round")
-    bins = stats[0][HISTOGRAM_KEY].shape[1]
-    counts = sum((s[HISTOGRAM_KEY][row].to(torch.float64) for s in stats), torch.zeros(bins, dtype=torch.float64))
-    missed = float(sum(float(s[MISSED_KEY][row].sum()) for s in stats))
+    counts, missed = summed_histogram(stats, row)
     hits = float(counts.sum())
     return {"gamma": gamma_from_histogram(counts, pass_fraction, num_classes), "pass_fraction": float(pass_fraction),
             "images": hits + missed, "accuracy": hits / (hits + missed) if hits + missed else float("nan")}

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError
+from engine.fl.routing_choice import AUTO, chosen_rule
 
 log = logging.getLogger(__name__)
 
@@ -297,8 +298,6 @@ def parse_style_gate(value: object) -> float | None:
 def check_site_routing(site_routing: object, style_gate: float | None) -> str:
     """A FedSM ``site_routing`` setting: ``"auto"`` (default: the better of the two on validation data,
     :mod:`engine.fl.routing_choice`), ``"selector"`` (the paper's) or ``"style"`` (needs the gate on)."""
-    from engine.fl.routing_choice import AUTO
-
     if site_routing != AUTO and site_routing not in SITE_ROUTINGS:
         raise ConfigError(f"site_routing must be 'auto', 'selector' or 'style', got {site_routing!r}")
     if site_routing == "style" and style_gate is None:
@@ -316,8 +315,6 @@ def bundle_site_routing(requested: str, gate_meta: Mapping[str, object],
     without a fitted gate (no site sent statistics, or no last round) falls back to the selector,
     with a warning.
     """
-    from engine.fl.routing_choice import chosen_rule
-
     rule = chosen_rule(requested, choice)
     if rule == "style" and not gate_meta:
         log.warning("style routing was asked for, but the federation fitted no site-style gate; the super "
