@@ -171,11 +171,11 @@ PRESETS: dict[str, BenchPreset] = {
     "cpu-converged": BenchPreset(
         name="cpu-converged",
         description="The full study trained to a plateau on a 2-core CPU: 6 sites per task, 64 px fundus for 60 "
-                    "rounds, 32 px prostate for 120, Dice + cross-entropy loss, cosine learning-rate decay, best "
+                    "rounds, 32 px prostate for 150, Dice + cross-entropy loss, cosine learning-rate decay, best "
                     "round by validation, the learning rate of every method tuned on validation (docs/results.md, "
                     "Convergence recipe)",
         tasks=(TaskPreset("fundus", sites=6, image_size=64, rounds=60, lam=0.7),
-               TaskPreset("prostate", sites=6, image_size=32, rounds=120, slices=6, lam=0.3)),
+               TaskPreset("prostate", sites=6, image_size=32, rounds=150, slices=6, lam=0.3)),
         seeds=(0, 1, 2), batch_size=8, lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.01, loss="dicece",
         keep_best=True, lr_grid=(3e-4, 1e-3, 3e-3), tune_rounds=30,
     ),
