@@ -56,3 +56,25 @@ def test_unknown_method_is_a_clear_error(tmp_path, capsys):
     code = main(["simulate", "--task", "fundus", "--methods", "fedmagic", "--out", str(tmp_path)])
     assert code == 2
     assert "fedmagic" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_simulate_threads_must_be_a_positive_whole_number(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as exc:
+        main(["simulate", "--task", "fundus", "--threads", value, "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--threads must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_simulate_threads_sets_torch_threads(monkeypatch):
+    import torch
+
+    from engine.cli.main import _set_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert _set_threads(1) == 1 and torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # without --threads an explicit OMP_NUM_THREADS wins
+        assert _set_threads(None) == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -34,6 +34,28 @@ def _methods(text: str) -> tuple[str, ...]:
     return tuple(m.strip().lower() for m in text.split(",") if m.strip())
 
 
+def _threads(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--threads must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _set_threads(threads: int | None) -> int:
+    """torch's CPU threads for a simulation: ``threads`` if given, else the free cores (:mod:`engine.threads`)."""
+    import torch
+
+    from engine.threads import use_free_cores
+
+    if threads is None:
+        return use_free_cores()
+    torch.set_num_threads(threads)
+    return threads
+
+
 def _gamma(text: str) -> float | str:
     from engine.fl.selector_gamma import parse_gamma
 
@@ -90,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox,fediod")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=_threads, default=None,
+                   help="torch CPU threads (default: the cores of this process's CPU set that other work "
+                        "is not using, or OMP_NUM_THREADS when set; give 1-2 per process when running "
+                        "several simulations side by side)")
     p.add_argument("--lam", type=float, default=None,
                    help="SoftPull lambda (default 0.7 fundus, 0.3 prostate; at least 1/K)")
     p.add_argument("--gamma", type=_gamma, default=0.6,
@@ -237,6 +263,7 @@ def _run(args: argparse.Namespace) -> int:
         apply_orientation_option(args)
         data_dir, datalists = _simulation_data(args.data)
         setup_logging(args.verbose, args.out / "simulate.log")
+        _set_threads(args.threads)
         progress = TerminalProgress(args.out / "events.jsonl")
         try:
             with outside_paths_allowed(args.allow_outside):
