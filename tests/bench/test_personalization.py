@@ -14,6 +14,7 @@ from engine.fl.personalization import (
     apfl_gradients,
     apfl_mix,
     first_order_maml_gradient,
+    pfedme_envelope_gradient,
     pfedme_local_update,
     pfedme_objective,
     pfedme_server_update,
@@ -51,6 +52,14 @@ def test_pfedme_local_update_moves_towards_theta():
     # w - eta * lam * (w - theta) = [1, 1] - 0.075 * ([1, 1] - [0, 2])
     out = pfedme_local_update({"a": t(1.0, 1.0)}, {"a": t(0.0, 2.0)}, lam=15.0, eta=0.005)
     assert torch.allclose(out["a"], t(0.925, 1.075))
+
+
+def test_pfedme_envelope_gradient_by_hand():
+    # lam * (w - theta) = 15 * ([1, 1] - [0, 2]); the paper's step is w - eta * this
+    grad = pfedme_envelope_gradient({"a": t(1.0, 1.0)}, {"a": t(0.0, 2.0)}, lam=15.0)
+    assert torch.allclose(grad["a"], t(15.0, -15.0))
+    step = pfedme_local_update({"a": t(1.0, 1.0)}, {"a": t(0.0, 2.0)}, lam=15.0, eta=0.005)
+    assert torch.allclose(step["a"], t(1.0, 1.0) - 0.005 * grad["a"])
 
 
 @pytest.mark.parametrize(("beta", "expected"), [(1.0, 3.0), (0.5, 1.5)])
@@ -95,6 +104,8 @@ def test_config_rejects_bad_values():
         PersonalizationConfig(apfl_alpha=1.5)
     with pytest.raises(ConfigError):
         PersonalizationConfig(pfedme_inner_steps=0)
+    with pytest.raises(ConfigError, match="pfedme_outer"):
+        PersonalizationConfig(pfedme_outer="rmsprop")
 
 
 # --- whole method through the in-process transport --------------------------------------------

@@ -50,6 +50,29 @@ def test_pfedme_theta_starts_each_round_at_the_received_model(cfg):
     assert _max_distance(theta, stale) > 4.0
 
 
+@pytest.mark.parametrize("outer", ["adam", "sgd"])
+def test_pfedme_local_model_step_by_hand(cfg, outer):
+    """One batch, one inner step. theta starts at the received w, so its first Adam step moves each
+    parameter by lr (the proximal term is zero there). The envelope gradient lam (w - theta) is then
+    +-lam lr per parameter: Adam's first step moves w by lr towards theta, i.e. onto it; the paper's
+    step moves it eta lam = 0.075 of the way."""
+    data = random_split(4, seed=3)
+    received = _weights(1)
+    received["personal"] = _weights(2)["global"]
+    pcfg = PersonalizationConfig(pfedme_inner_steps=1, pfedme_outer=outer, pfedme_lam=15.0, pfedme_eta=0.005)
+    state: dict = {}
+    parts, _ = train_personalized_round("pfedme", FUNDUS, received, 0, 2, data, cfg, pcfg, state, 0, _ctx())
+    w, theta, start = parts["personal"], state["pfedme_theta"], received["personal"]
+    keys = [k for k in start if start[k].is_floating_point()]
+    step = torch.cat([(theta[k] - start[k]).flatten() for k in keys]).double()
+    w_step = torch.cat([(w[k] - start[k]).flatten() for k in keys]).double()
+    # Adam's first step is lr * g / (|g| + eps): lr for every parameter whose gradient is not tiny
+    full = (step.abs() - cfg.lr).abs() < 0.01 * cfg.lr
+    assert full.float().mean() > 0.95
+    expected = step if outer == "adam" else 0.075 * step
+    assert torch.allclose(w_step[full], expected[full], atol=0.02 * cfg.lr)
+
+
 def _apfl_private_step(alpha: float, optimizer: str, cfg) -> float:
     data = random_split(4, seed=4)
     received = _weights(1)
