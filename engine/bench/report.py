@@ -335,8 +335,9 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
               "Global model (FedAvg) trained as in FedSM. The personalized models differ, and so does the "
               "routing: the SoftPull row is the main FedSM run (reference selector, site-style gate, `auto` "
               "site routing, guard); the other rows route with the per-batch selector and its LDA head at "
-              "gamma and without the guard (their sites report no validation Dice). Compare the personalization rules by the oracle column (each site's "
-              "personalized model on its own test images). "
+              "gamma and without the guard (their sites report no validation Dice). Compare the "
+              "personalization rules by the oracle column (each site's personalized model on its own test "
+              "images). "
               "Hyper-parameters: `engine/fl/personalization.py` (`PersonalizationConfig` defaults).", ""]
     lines += _table(["personalization", "routed Dice", "personalized (oracle)", "global alone", "selector acc.",
                      "wall s", "seeds"],
