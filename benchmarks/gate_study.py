@@ -41,12 +41,12 @@ from engine.data.site_data import load_site
 from engine.data.synth import existing_federation, generate_federation
 from engine.fl.style_gate import (
     DEFAULT_QUANTILE,
-    SITE_MARGIN,
     distance_histogram,
     fit_style_gate,
-    histogram_quantile,
     style_descriptors,
+    style_distances,
     style_statistics,
+    threshold_from_histograms,
 )
 from engine.tasks import get_task
 
@@ -70,14 +70,6 @@ def federation(task: str, seed: int, root: Path, sites: int, size: int, slices: 
                                                                seed=seed, slices=slices)
 
 
-def nearest(desc: np.ndarray, means: np.ndarray, precision: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distance to the nearest site mean and that site's index (0-based among the fitted sites)."""
-    diff = desc[:, None, :] - means[None]
-    dist = np.einsum("nkd,de,nke->nk", diff, precision, diff)
-    k = dist.argmin(1)
-    return dist[np.arange(len(desc)), k], k
-
-
 def site_spread(stats: dict, precision: np.ndarray) -> float:
     """``trace(P S_k) / d``: the site's own scatter measured in the pooled metric (1 = average site)."""
     n = float(stats["count"][0])
@@ -86,11 +78,9 @@ def site_spread(stats: dict, precision: np.ndarray) -> float:
     return float(np.trace(precision @ scatter) / max(n - 1.0, 1.0) / len(mean))
 
 
-def threshold(val_scores: list[np.ndarray], margin: float = SITE_MARGIN, q: float = DEFAULT_QUANTILE) -> float:
-    """Margin x the median over sites of each site's ``q`` quantile (sites without images left out)."""
-    # through the federation's histograms, as the engine reads them
-    per = [histogram_quantile(distance_histogram(s)["counts"].numpy(), q) for s in val_scores if len(s)]
-    return margin * float(np.median(per)) if per else float("inf")
+def threshold(val_scores: list[np.ndarray]) -> float:
+    """The engine's threshold rule on (possibly rescaled) validation distances, through the sites' histograms."""
+    return threshold_from_histograms([distance_histogram(s) for s in val_scores], DEFAULT_QUANTILE)
 
 
 def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dict[str, tuple[float, float]]:
@@ -100,16 +90,17 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
     part = [s for k, s in enumerate(sites) if k != holdout]
     stats = [style_statistics(s.train.images) for s in part]
     gate = fit_style_gate(stats)
-    means, precision = gate["means"].numpy(), gate["precision"].numpy()
+    precision = gate["precision"].numpy()
     cases = np.array([len(set(s.train.case_ids.tolist())) for s in part], dtype=np.float64)
     spread = np.array([site_spread(st, precision) for st in stats])
     scalers = {"median": np.ones(len(part)), "predictive": 1.0 + 1.0 / cases, "spread": spread,
                "predictive+spread": spread * (1.0 + 1.0 / cases)}
-    val = [nearest(style_descriptors(s.validation.images), means, precision) for s in part]
-    test = [nearest(style_descriptors(s.test.images), means, precision) for s in part]
+    # every participating site sent statistics, so the gate's routing indices are positions in `part`
+    val = [style_distances(style_descriptors(s.validation.images), gate) for s in part]
+    test = [style_distances(style_descriptors(s.test.images), gate) for s in part]
     u = sites[holdout]
     unseen_images = np.concatenate([x.images for x in (u.train, u.validation, u.test) if len(x.images)])
-    ud, uk = nearest(style_descriptors(unseen_images), means, precision)
+    ud, uk = style_distances(style_descriptors(unseen_images), gate)
     out = {}
     for rule, scale in scalers.items():
         thr = threshold([d / scale[k] for d, k in val])
