@@ -50,13 +50,21 @@ def _loads(soname: str) -> bool:
     return True
 
 
-def missing_xcb_packages(loads: Callable[[str], bool] = _loads) -> list[tuple[str, str]]:
-    """``(soname, package)`` of every library of :data:`XCB_LIBRARIES` that cannot be loaded."""
+def missing_xcb_packages(loads: Callable[[str], bool] | None = None) -> list[tuple[str, str]]:
+    """``(soname, package)`` of every library of :data:`XCB_LIBRARIES` that cannot be loaded.
+
+    ``loads`` defaults to :func:`_loads`, looked up at call time (so a test can replace it).
+    """
+    loads = _loads if loads is None else loads
     return [(soname, package) for soname, package in XCB_LIBRARIES.items() if not loads(soname)]
 
 
-def uses_xcb(environ: Mapping[str, str], platform: str = sys.platform) -> bool:
-    """Whether Qt will pick its xcb platform plugin (Linux, no other platform asked for)."""
+def uses_xcb(environ: Mapping[str, str], platform: str | None = None) -> bool:
+    """Whether Qt will pick its xcb platform plugin (Linux, no other platform asked for).
+
+    ``platform`` defaults to ``sys.platform`` read at call time.
+    """
+    platform = sys.platform if platform is None else platform
     if not platform.startswith("linux"):
         return False
     wanted = environ.get("QT_QPA_PLATFORM", "").split(";")[0].split(":")[0].strip()
@@ -66,12 +74,14 @@ def uses_xcb(environ: Mapping[str, str], platform: str = sys.platform) -> bool:
     return not environ.get("WAYLAND_DISPLAY")
 
 
-def platform_problem(environ: Mapping[str, str] | None = None, platform: str = sys.platform,
-                     loads: Callable[[str], bool] = _loads) -> str | None:
+def platform_problem(environ: Mapping[str, str] | None = None, platform: str | None = None,
+                     loads: Callable[[str], bool] | None = None) -> str | None:
     """One line saying why Qt cannot open a window here and what to do; ``None`` when it can.
 
     Checks only what Qt would otherwise report obscurely: the libraries of the xcb plugin, and
-    that an X display is set at all.
+    that an X display is set at all. Every default (``os.environ``, ``sys.platform``,
+    :func:`_loads`) is resolved when the function runs, never when the module is imported: a
+    default bound at import time cannot be replaced by a test, which then starts the real app.
     """
     env = os.environ if environ is None else environ
     if not uses_xcb(env, platform):

@@ -41,6 +41,18 @@ def tiny_training():
 #: (a fuzz module's last test checks what its other tests counted).
 SERIAL_GROUP_DIRS = ("tests/federation/",)
 
+#: pytest-timeout's bound for a test that starts federation processes (the default, ``timeout`` in
+#: pyproject.toml, bounds every other test). Generous: these tests wait on SuperLink, SuperNodes and
+#: several rounds of training on a busy 2-core machine; a hang still ends well inside CI's 90 minutes.
+FEDERATION_TIMEOUT_S = 600
+
+
+def pytest_collection_modifyitems(config, items):
+    """Give the federation tests their longer bound unless a test sets its own."""
+    for item in items:
+        if item.nodeid.startswith(SERIAL_GROUP_DIRS) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(FEDERATION_TIMEOUT_S))
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):

@@ -37,14 +37,32 @@ def test_check_applies_only_where_qt_would_use_xcb():
     assert no_display is not None and "DISPLAY" in no_display and "QT_QPA_PLATFORM=offscreen" in no_display
 
 
+def _app_must_not_start(*args, **kwargs):
+    raise AssertionError("fedsm-gui built its window although the platform check should have stopped it")
+
+
 def test_fedsm_gui_stops_with_the_line_before_qt_starts(monkeypatch, capsys):
+    """Passes the same whether or not this machine has the X11 libraries: the check's defaults are
+    resolved at call time, so the fake loader is the one used; and should the check ever let the
+    app through, building the window fails at once instead of starting an event loop that never ends."""
     monkeypatch.setenv("QT_QPA_PLATFORM", "xcb")
     monkeypatch.setenv("DISPLAY", ":0")
     monkeypatch.setattr("fedsm_gui.qt_libs._loads", _loads)
     monkeypatch.setattr("sys.platform", "linux")
+    monkeypatch.setattr(gui_app, "FedSMApp", _app_must_not_start)
     assert gui_app.main(["--demo"]) == 1
     err = capsys.readouterr().err
     assert "libxcb-icccm4" in err and "Traceback" not in err
+
+
+def test_defaults_are_read_when_the_check_runs(monkeypatch):
+    """Replacing the loader or the platform after import changes what the check reports."""
+    monkeypatch.setattr("fedsm_gui.qt_libs._loads", lambda soname: False)
+    monkeypatch.setattr("sys.platform", "linux")
+    assert len(missing_xcb_packages()) == len(XCB_LIBRARIES)
+    assert "libxcb1" in (platform_problem({"DISPLAY": ":0"}) or "")
+    monkeypatch.setattr("sys.platform", "darwin")
+    assert platform_problem({"DISPLAY": ":0"}) is None
 
 
 def test_fedsm_gui_version(capsys):
