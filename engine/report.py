@@ -122,7 +122,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Created {report['created']} on {report['machine']['device']} "
         f"({report['machine']['platform']}, torch {report['machine']['torch']}); wall time {report['wall_s']} s.",
         f"Image size {cfg['image_size']} px, selector input {cfg['selector_size']} px, seed {cfg['seed']}, "
-        f"lam {cfg['lam']}, gamma {cfg['gamma']}, local epochs {cfg['epochs']}, batch {cfg['batch_size']}.",
+        f"lam {cfg['lam']}, gamma {cfg['gamma']}, local epochs {cfg['epochs']}, batch {cfg['batch_size']}"
+        + (f"; FedSM personalization {cfg['personalization']}" if cfg.get("personalization") else "") + ".",
         "",
         "## Sites",
         "",
@@ -164,6 +165,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                       f"its own site {_fmt(comp['personal_oracle']['client_average']['mean'])}."]
         if "selector" in extra:
             lines += _selector_lines(extra["selector"])
+        lines += per_site_evidence_lines(report, name, sites)
     lines += _local_ood_lines(report, sites)
     if report["methods"].get("fediod"):
         lines += fediod_section(report["methods"]["fediod"], sites, structures)
@@ -190,6 +192,39 @@ def render_markdown(report: dict[str, Any]) -> str:
                 continue
             lines.append(f"- {title}: `{s['path']}` ({_mib(s['bytes'])}, sha256 `{s['sha256']}`)")
     return "\n".join(lines) + "\n"
+
+
+def per_site_evidence_lines(report: dict[str, Any], method: str, sites: list[str]) -> list[str]:
+    """Does the super model help *this* site? Per site: routed, global-alone, own personalized and
+    (when the run trained it) Local test Dice, and where the site's test images were routed.
+
+    Empty for reports written before the per-site components were recorded.
+    """
+    r = report["methods"][method]
+    comp = r["extra"].get("components", {})
+    glob, own = comp.get("global_only", {}).get("per_site"), comp.get("personal_oracle", {}).get("per_site")
+    if not glob or not own:
+        return []
+    local = report["methods"].get("local")
+    routing = r["extra"].get("routing", {})
+    rule = r["extra"].get("personalization", "softpull")
+    lines = ["", f"### {METHOD_TITLES.get(method, method)} per site: does the super model help each site?", "",
+             f"Mean test Dice at each site (personalized models trained with {rule}): the routed super model, the "
+             "global model alone, the site's own personalized model, and the site's Local model where the run "
+             "trained one; then the share of the site's test images routed to the global model, to the site's own "
+             "personalized model and to another site's. Routed minus global is what the super model adds here.", "",
+             "| site | routed | global alone | own personalized | Local | routed − global | to global | to own "
+             "model | to another site |", "|---" * 9 + "|"]
+    for s in sites:
+        routed = r["dice"][s]["mean"]
+        freq = routing.get(s, {})
+        to_own = freq.get(s, float("nan"))
+        to_global = freq.get("global", float("nan"))
+        to_other = sum(v for k, v in freq.items() if k not in ("global", s)) if freq else float("nan")
+        local_cell = _fmt(local["dice"][s]["mean"]) if local else "—"
+        lines.append(f"| {s} | {_fmt(routed)} | {_fmt(glob[s]['mean'])} | {_fmt(own[s]['mean'])} | {local_cell} | "
+                     f"{routed - glob[s]['mean']:+.4f} | {to_global:.2f} | {to_own:.2f} | {to_other:.2f} |")
+    return lines
 
 
 def _local_ood_lines(report: dict[str, Any], sites: list[str]) -> list[str]:

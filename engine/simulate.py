@@ -97,6 +97,9 @@ class SimulationConfig:
     #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
     #: the bundle's ``extra["fundus_crop"]``) at inference; ``"none"``: photos used whole.
     fundus_crop: str = "none"
+    #: How FedSM trains its personalized models (:mod:`engine.fl.personalization`): ``"softpull"``
+    #: (the paper's), ``"finetune"``, ``"apfl"``, ``"perfedavg"`` or ``"pfedme"``.
+    personalization: str = "softpull"
 
     def __post_init__(self) -> None:
         from engine.data.disc_crop import check_mode
@@ -130,6 +133,9 @@ class SimulationConfig:
         from engine.fl.style_gate import check_site_routing
 
         self.site_routing = check_site_routing(self.site_routing, self.style_gate)
+        from engine.fl.personalization import check_personalization
+
+        self.personalization = check_personalization(self.personalization)
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
@@ -294,7 +300,8 @@ class Simulation:
             return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam,
                            gamma=0.6 if auto else float(cfg.gamma), selector_calibration=cfg.selector_calibration,
                            selector_warmup=cfg.selector_warmup, gamma_pass=cfg.gamma_pass if auto else None,
-                           style_gate=cfg.style_gate, site_routing=cfg.site_routing)
+                           style_gate=cfg.style_gate, site_routing=cfg.site_routing,
+                           personalization=cfg.personalization)
         if name == "fedsm-extra":  # argmax routing: gamma is not used
             return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
                                 lam=cfg.lam, gamma=0.6 if cfg.gamma == "auto" else float(cfg.gamma),
@@ -527,6 +534,7 @@ class Simulation:
             selector_head=self.cfg.selector_head, normalisation=self.task.normalisation,
             site_names=[s.name for s in self.sites], method=method.name,
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
+            personalization=getattr(method, "personalization", "softpull"),
             gamma=float(routing_gamma(state)) if routing_gamma is not None and not extra_method
             else (0.6 if self.cfg.gamma == "auto" else float(self.cfg.gamma)),
             rounds=method.total_rounds, val_dice=val_dice,
@@ -608,8 +616,10 @@ class Simulation:
             "gamma": float(predictor.metadata.gamma),  # the federation's choice with --gamma auto
             "lam": self.cfg.lam,
             "val_dice": val_dice,
-            "components": {"global_only": {"client_average": glob[1], "pooled": glob[2]},
-                           "personal_oracle": {"client_average": oracle[1], "pooled": oracle[2]}},
+            "components": {"global_only": {"client_average": glob[1], "pooled": glob[2], "per_site": glob[0]},
+                           "personal_oracle": {"client_average": oracle[1], "pooled": oracle[2],
+                                               "per_site": oracle[0]}},
+            "personalization": getattr(method, "personalization", "softpull"),
             "bundle": bundle,
         }
         return per_site, client_avg, pooled, extra

@@ -154,14 +154,16 @@ class BenchSimulation(Simulation):
             self.cfg.lam = self.softpull_lam  # recorded in the results and the bundle as used
 
     def _build_method(self, name: str) -> Any:
-        from engine.fl.methods import FedSM, FedSMPersonalized
+        from dataclasses import replace
+
+        from engine.fl.methods import FedSM
         from engine.fl.personalization import PERSONALIZATIONS
 
         kind = name.removeprefix("fedsm-")
         if kind in PERSONALIZATIONS:
-            return FedSMPersonalized(self.task, [s.name for s in self.sites],
-                                     self.cfg.training(per_batch_selector=True), self.cfg.seed,
-                                     self.cfg.rounds, personalization=kind, gamma=self.cfg.gamma)
+            # the one FedSM path (reference selector, gate, auto routing, guard) with another rule
+            self.cfg = replace(self.cfg, personalization=kind)
+            return super()._build_method("fedsm")
         if name == "fedsm" and self.softpull_lam is not None:
             names = [s.name for s in self.sites]
             method = FedSM(self.task, names, self.cfg.training(), self.cfg.seed, self.cfg.rounds,
@@ -231,7 +233,7 @@ class CurveRecorder:
             point["global"] = self._client_average(lambda k: state["global"])
         names = [s.name for s in self.sites]
         if (all(f"personal/{n}" in state for n in names) and method.name in ("fedsm", "fedsm-extra")
-                and getattr(method, "personalization", None) is None):
+                and getattr(method, "personalization", "softpull") == "softpull"):
             point["personal"] = self._client_average(lambda k: state[f"personal/{names[k]}"])
         if method.name == "local":
             models = [rt.state["local_model"] for rt in runtimes]

@@ -39,6 +39,7 @@ METADATA_SCHEMA: dict[str, Any] = {
         "method": _STRING,
         "routing": _STRING,
         "lam": _NUMBER,
+        "personalization": _STRING,
         "gamma": _NUMBER,
         "rounds": _INT,
         "val_dice": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},

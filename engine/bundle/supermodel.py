@@ -55,6 +55,9 @@ ROUTINGS = ("gamma", "argmax", "none")
 #: single-model bundles do not route.
 ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
+#: How a FedSM bundle's personalized models were trained: SoftPull (the paper's) or one of the
+#: alternatives of its Table 6, trained inside FedSM (:mod:`engine.fl.personalization`).
+PERSONALIZATION_RULES = ("softpull", "finetune", "apfl", "perfedavg", "pfedme")
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
 
@@ -112,7 +115,10 @@ class BundleMetadata:
         ``"gamma"`` (Algorithm 2, goes with ``"fedsm"``) or ``"argmax"`` (Algorithm 4, goes
         with ``"fedsm-extra"``).
     lam
-        SoftPull lambda used in training, in [1/K, 1].
+        SoftPull lambda used in training, in [1/K, 1] (recorded, unused, for other rules).
+    personalization
+        The rule that trained the personalized models (:data:`PERSONALIZATION_RULES`;
+        ``"softpull"`` in bundles written before the setting existed).
     gamma
         Default routing threshold in [0, 1] (only used with ``routing="gamma"``).
     rounds
@@ -161,6 +167,7 @@ class BundleMetadata:
     method: str = "fedsm"
     routing: str = "gamma"
     lam: float = 1.0
+    personalization: str = "softpull"
     gamma: float = 0.5
     rounds: int = 0
     val_dice: dict[str, float | None] = field(default_factory=dict)
@@ -263,6 +270,8 @@ class BundleMetadata:
             )
         if not _is_number(self.lam) or not 0.0 <= self.lam <= 1.0:
             raise ConfigError(f"lam must be a number in [0, 1] (FedSM uses [1/K, 1]), got {self.lam!r}")
+        if self.personalization not in PERSONALIZATION_RULES:
+            raise ConfigError(f"personalization must be one of {PERSONALIZATION_RULES}, got {self.personalization!r}")
         if not _is_number(self.gamma) or not 0.0 <= self.gamma <= 1.0:
             raise ConfigError(f"gamma must be a number in [0, 1], got {self.gamma!r}")
         if _not_int(self.rounds) or self.rounds < 0:

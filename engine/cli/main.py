@@ -154,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the style gate's nearest site (images outside the gate go to the global model; gamma "
                         "unused), or auto (default): whichever of the two sends more of the sites' validation "
                         "images to their own site's model, measured in the last round")
+    p.add_argument("--personalization", choices=["softpull", "apfl", "finetune", "perfedavg", "pfedme"],
+                   default="softpull",
+                   help="FedSM: how each site's personalized model trains: softpull (default, the paper's: "
+                        "pulled towards the other sites' models every round), apfl (a private model mixed with "
+                        "the global one), finetune (the final global model fine-tuned at the site), perfedavg "
+                        "or pfedme; every rule routes through the same selector, style gate and routing guard")
     p.add_argument("--slices", type=int, default=None,
                    help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
@@ -282,7 +288,7 @@ def _run(args: argparse.Namespace) -> int:
                     selector_calibration=args.selector_calibration, selector_warmup=args.selector_warmup,
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                     routing_guard=args.routing_guard, style_gate=args.style_gate,
-                    site_routing=args.site_routing,
+                    site_routing=args.site_routing, personalization=args.personalization,
                     holdout_site=args.holdout_site, slices=args.slices,
                     device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop,
                     options=parse_options(args.options))

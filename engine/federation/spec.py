@@ -61,6 +61,9 @@ class MethodSpec:
     site_routing: str = "auto"
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = "none"
+    #: How FedSM trains its personalized models: ``"softpull"`` (the paper's), ``"finetune"``,
+    #: ``"apfl"``, ``"perfedavg"`` or ``"pfedme"`` (engine.fl.personalization)
+    personalization: str = "softpull"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
     #: ``[training]`` they are written as top-level keys with that prefix.
     options: dict[str, Any] = field(default_factory=dict)
@@ -103,6 +106,12 @@ class MethodSpec:
         from engine.data.disc_crop import check_mode
 
         check_mode(self.fundus_crop)
+        from engine.fl.personalization import check_personalization
+
+        check_personalization(self.personalization)
+        if self.personalization != "softpull" and self.method != "fedsm":
+            raise ConfigError(f"personalization = {self.personalization!r} is a FedSM setting; use method = "
+                              f"\"fedsm\" or drop it (method {self.method!r} trains no personalized models that way)")
         if not isinstance(self.routing_guard, bool):
             raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
         if self.selector_head not in ("gap", "classic"):
@@ -197,7 +206,8 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
         return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                        gamma=0.6 if auto else float(spec.gamma), selector_calibration=spec.selector_calibration,
                        selector_warmup=int(spec.selector_warmup), gamma_pass=spec.gamma_pass if auto else None,
-                       style_gate=spec.style_gate, site_routing=spec.site_routing)
+                       style_gate=spec.style_gate, site_routing=spec.site_routing,
+                       personalization=spec.personalization)
     if spec.method == "fedsm-extra":  # argmax routing: gamma is not used
         return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
                             gamma=0.6 if auto else float(spec.gamma), extra_rounds=int(spec.extra_rounds or 1))

@@ -36,6 +36,15 @@ from engine.fl.local_training import (
     train_segmentation_round,
     train_selector_round,
 )
+from engine.fl.personalization import (
+    SHARED_TRACK_RULES,
+    SOFTPULL,
+    PersonalizationConfig,
+    check_personalization,
+    personalized_model,
+    pfedme_server_update,
+    train_personalized_round,
+)
 from engine.fl.routing_choice import (
     AUTO,
     CHOICE_PART,
@@ -435,6 +444,18 @@ class FedSM(FederatedMethod):
         ``"selector_gamma"``) and the style rule's counts (part ``"routing_stats"``); the server
         keeps the rule that sends more validation images to their own site's model (state
         ``"site_routing_choice"``). Without the gate, or with ``lda``, ``"auto"`` is the selector.
+    personalization
+        How the personalized models train (:mod:`engine.fl.personalization`): ``"softpull"``
+        (the paper's; server state ``"personal/<site>"`` every round) or ``"finetune"``,
+        ``"apfl"``, ``"perfedavg"``, ``"pfedme"`` (the paper's Table 6). Everything else is the
+        same for every rule: the global model, the selector, the gate, the routing choice, the
+        routing guard and the bundle. With another rule a site keeps its private state (APFL's
+        ``v`` and ``alpha``, pFedMe's ``theta``) and sends its personalized model once, with its
+        last-round answer (part ``"personal"``, validated like the global model), which also
+        carries that model's validation Dice for the guard. Per-FedAvg and pFedMe train one more
+        shared U-Net (server state ``"shared"``, sent and averaged every round).
+    personalization_config
+        The rules' hyper-parameters (:class:`engine.fl.personalization.PersonalizationConfig`).
     """
 
     name = "fedsm"
@@ -443,9 +464,12 @@ class FedSM(FederatedMethod):
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
                  selector_calibration: str = "none", selector_warmup: int = 0,
                  gamma_pass: float | None = None, style_gate: float | None = None,
-                 site_routing: str = AUTO) -> None:
+                 site_routing: str = AUTO, personalization: str = SOFTPULL,
+                 personalization_config: PersonalizationConfig | None = None) -> None:
         super().__init__(task, site_names, training, seed, rounds)
         check_lam(lam, len(site_names))
+        self.personalization = check_personalization(personalization)
+        self.pcfg = personalization_config or PersonalizationConfig()
         if not 0.0 <= gamma <= 1.0:
             raise ConfigError(f"gamma={gamma} must lie in [0, 1]")
         self.lam = lam
@@ -500,31 +524,54 @@ class FedSM(FederatedMethod):
             return "calibrate"
         return "selector" if rnd <= self.selector_warmup else "train"
 
+    @property
+    def softpull(self) -> bool:
+        """Whether the personalized models train with SoftPull (server state ``personal/<site>``)."""
+        return self.personalization == SOFTPULL
+
     def initial_state(self) -> WeightSet:
         init = self._initial_segmentation()
         state: WeightSet = {"global": init, "selector": self._initial_selector(self.num_selector_classes)}
-        state |= {f"personal/{s}": init for s in self.site_names}
+        if self.softpull:
+            state |= {f"personal/{s}": init for s in self.site_names}
+        elif self.personalization in SHARED_TRACK_RULES:
+            state["shared"] = init
         if self.reference_selector:
             state[OPTIM_PART] = initial_optimizer_state(self._selector_template())
         return state
 
+    def _personal_part(self, state: WeightSet, site: str, phase: str) -> Weights | None:
+        """The ``personal`` part ``site`` receives in ``phase``: its SoftPull model, the shared U-Net of
+        Per-FedAvg / pFedMe (Per-FedAvg adapts it in the last round too), or nothing."""
+        if self.softpull:
+            return state[f"personal/{site}"]
+        if self.personalization in SHARED_TRACK_RULES and (phase == "train" or self.personalization == "perfedavg"):
+            return state["shared"]
+        return None
+
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
         phase = self.phase(rnd)
         style = self.style_quantile is not None
+        personal = self._personal_part(state, site, phase)
         if phase == "calibrate":
-            weights = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+            weights = {"global": state["global"], "selector": state["selector"]}
+            if personal is not None:
+                weights["personal"] = personal
             if style and state.get(GATE_PART):
                 weights[GATE_PART] = {k: v for k, v in state[GATE_PART].items() if k in ("means", "precision", "sites")}
             return SiteInstructions(rnd, weights, {"phase": "calibrate", "calibration": self.selector_calibration})
         if phase == "selector":
             return SiteInstructions(rnd, {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]},
                                     {"phase": "selector", "style": style})
-        weights = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+        weights = {"global": state["global"], "selector": state["selector"]}
+        if personal is not None:
+            weights["personal"] = personal
         if self.reference_selector:
             weights[OPTIM_PART] = state[OPTIM_PART]
         return SiteInstructions(rnd, weights, {"phase": "train", "style": style})
 
     def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
+        update = self._checked_final_personal(state, site, update)
         if self.style_quantile is not None:
             update = self._checked_style_parts(site, update)
         parts = set(update.weights)
@@ -556,6 +603,24 @@ class FedSM(FederatedMethod):
         else:
             super().validate_update(state, site, update)
 
+    def _checked_final_personal(self, state: WeightSet, site: str, update: SiteUpdate) -> SiteUpdate:
+        """With a rule other than SoftPull: check the personalized model of a last-round answer and
+        return the update without it (a training or warm-up answer is returned as it is).
+
+        A last-round answer is one without a global model and not a warm-up answer; with such a
+        rule it must carry the site's personalized model, shaped like the global model.
+        """
+        parts = set(update.weights)
+        if self.softpull or "global" in parts or parts == {"selector", OPTIM_PART}:
+            return update
+        if "personal" not in parts:
+            raise ConfigError(f"last-round update from {site} lacks its personalized model (part 'personal'); "
+                              f"this federation trains them with {self.personalization!r}, so the site builds "
+                              "its model in the last round and sends it once")
+        check_compatible(state["global"], update.weights["personal"], f"personalized model from {site}")
+        return SiteUpdate({k: v for k, v in update.weights.items() if k != "personal"}, update.num_samples,
+                          update.metrics)
+
     def _checked_style_parts(self, site: str, update: SiteUpdate) -> SiteUpdate:
         """Check the style gate's parts of ``update`` and return the update without them.
 
@@ -583,7 +648,10 @@ class FedSM(FederatedMethod):
         return SiteUpdate(weights, update.num_samples, update.metrics)
 
     def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        out = {"global": state["global"], "personal": state[f"personal/{site}"], "selector": state["selector"]}
+        out = {"global": state["global"], "selector": state["selector"]}
+        personal = self._personal_part(state, site, "train")
+        if personal is not None:
+            out["personal"] = personal
         if self.reference_selector:
             out[OPTIM_PART] = state[OPTIM_PART]
         return out
@@ -630,6 +698,13 @@ class FedSM(FederatedMethod):
                 if metric in u.metrics}
         if dice:
             new["validation_dice"] = {**state.get("validation_dice", {}), **dice}
+        if not self.softpull:
+            # each site's model as it built it; a site that did not answer has none: it gets the
+            # global model (and reports no validation Dice, so the guard routes its images to global)
+            for site in self.site_names:
+                answer = updates.get(site)
+                new[f"personal/{site}"] = (answer.weights["personal"] if answer is not None
+                                           and "personal" in answer.weights else new["global"])
         counted = [u.weights[ROUTING_PART] for u in updates.values() if ROUTING_PART in u.weights]
         if self.compares_routings and counted:
             row = self._gamma_temperatures().index(temperature) if self.selector_calibration == "temperature" else 0
@@ -664,10 +739,19 @@ class FedSM(FederatedMethod):
         if self.reference_selector:
             # the reference averages Adam's moments with the same weights as the selector itself
             new[OPTIM_PART] = fedavg([(u.weights[OPTIM_PART], u.num_samples) for u in updates.values()])
-        pulled = soft_pull({s: u.weights["personal"] for s, u in updates.items()}, self.lam)
-        for site, weights in pulled.items():
-            new[f"personal/{site}"] = weights
+        self._aggregate_personal(state, new, updates)
         return new
+
+    def _aggregate_personal(self, state: WeightSet, new: WeightSet, updates: Mapping[str, SiteUpdate]) -> None:
+        """A training round's server step for the personalization rule (APFL and fine-tuning have none)."""
+        if self.softpull:
+            for site, weights in soft_pull({s: u.weights["personal"] for s, u in updates.items()}, self.lam).items():
+                new[f"personal/{site}"] = weights
+        elif self.personalization == "perfedavg":
+            new["shared"] = fedavg([(u.weights["personal"], u.num_samples) for u in updates.values()])
+        elif self.personalization == "pfedme":
+            new["shared"] = pfedme_server_update(state["shared"], [u.weights["personal"] for u in updates.values()],
+                                                 self.pcfg.pfedme_beta)
 
     def _statistics_update(self, instructions: SiteInstructions, site: SiteRuntime,
                            labels: np.ndarray) -> SiteUpdate:
@@ -700,12 +784,27 @@ class FedSM(FederatedMethod):
                 parts[ROUTING_PART] = style_routing_statistics(nearest, site.index)
         return SiteUpdate(parts, n, metrics)
 
+    def _final_update_with_personal(self, instructions: SiteInstructions, site: SiteRuntime,
+                                    ctx: RoundContext) -> SiteUpdate:
+        """The last round with a rule other than SoftPull: build the site's personalized model from
+        its private state (:func:`engine.fl.personalization.personalized_model`), score it like
+        SoftPull's for the guard, and send it once with the rest of the last-round answer."""
+        w = instructions.weights
+        personal = personalized_model(self.personalization, self.task, w, site.train,
+                                      self.round_training(instructions.round), self.pcfg, site.state,
+                                      self._site_seed(instructions.round, site), ctx)
+        update = self._final_update(SiteInstructions(instructions.round, {**w, "personal": personal},
+                                                     instructions.config), site)
+        return SiteUpdate({**update.weights, "personal": personal}, update.num_samples, update.metrics)
+
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
         phase = self.phase(instructions.round)
-        if phase == "calibrate":
-            return self._final_update(instructions, site)
         ctx = self._context(instructions.round, site, progress, cancel)
+        if phase == "calibrate":
+            if self.softpull:
+                return self._final_update(instructions, site)
+            return self._final_update_with_personal(instructions, site, ctx)
         w = instructions.weights
         seed = self._site_seed(instructions.round, site)
         if phase == "selector":
@@ -714,10 +813,17 @@ class FedSM(FederatedMethod):
                 self.num_selector_classes, site.train.images, self.training, derived_seed(seed, "selector"), ctx)
             return SiteUpdate({"selector": sel, OPTIM_PART: optim, **self._style_part(instructions, site)},
                               len(site.train.images), sel_metrics)
-        glob, pers, sel, metrics = train_fedsm_round(
-            self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
-            site.train, self.round_training(instructions.round), seed, ctx, train_selector=not self.reference_selector)
-        parts = {"global": glob, "personal": pers, "selector": sel}
+        if self.softpull:
+            glob, pers, sel, metrics = train_fedsm_round(
+                self.task, w["global"], w["personal"], w["selector"], site.index, len(self.site_names),
+                site.train, self.round_training(instructions.round), seed, ctx,
+                train_selector=not self.reference_selector)
+            parts = {"global": glob, "personal": pers, "selector": sel}
+        else:
+            parts, metrics = train_personalized_round(
+                self.personalization, self.task, w, site.index, len(self.site_names), site.train,
+                self.round_training(instructions.round), self.pcfg, site.state, seed, ctx,
+                train_selector=not self.reference_selector)
         if self.reference_selector:
             labels = np.full(len(site.train.images), site.index)
             sel, optim, sel_metrics = reference_selector_round(
@@ -890,102 +996,6 @@ class FedSMExtra(FedSM):
         counts = np.bincount(labels, minlength=self.num_selector_classes)
         metrics |= {f"label_share_{i}": float(c) / max(n, 1) for i, c in enumerate(counts)}
         return SiteUpdate({"selector": sel}, n, metrics)
-
-
-class FedSMPersonalized(FedSM):
-    """FedSM with another personalization rule in place of SoftPull (paper Table 6).
-
-    The global model (FedAvg) and the selector train exactly as in :class:`FedSM`; the
-    personalized models come from ``personalization`` (``finetune``, ``apfl``, ``perfedavg``,
-    ``pfedme``; rules and hyper-parameters in :mod:`engine.fl.personalization`). Per-FedAvg and
-    pFedMe train one more shared U-Net (server state ``"shared"``); APFL and pFedMe keep private
-    models at the site. In the calibration round each site sends its personalized model with
-    its selector statistics, so the super model holds it.
-    """
-
-    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, rounds: int = 1, personalization: str = "finetune", gamma: float = 0.6,
-                 personalization_config: Any = None) -> None:
-        from engine.fl.personalization import PERSONALIZATIONS, PersonalizationConfig
-
-        if personalization not in PERSONALIZATIONS:
-            raise ConfigError(f"unknown personalization {personalization!r}; choose from "
-                              f"{', '.join(PERSONALIZATIONS)}")
-        super().__init__(task, site_names, training, seed, rounds, lam=1.0, gamma=gamma, selector_calibration="lda")
-        # the name stays "fedsm": the result is a FedSM super model (gamma routing), and the
-        # variants see the same seeds, hence the same batches, as SoftPull
-        self.personalization = personalization
-        self.pcfg = personalization_config or PersonalizationConfig()
-
-    @property
-    def _shared_track(self) -> bool:
-        return self.personalization in ("perfedavg", "pfedme")
-
-    def initial_state(self) -> WeightSet:
-        state = super().initial_state()
-        if self._shared_track:
-            state["shared"] = state["global"]
-        return state
-
-    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        phase = self.phase(rnd)
-        weights = {"global": state["global"], "selector": state["selector"]}
-        if self._shared_track and (phase == "train" or self.personalization == "perfedavg"):
-            weights["personal"] = state["shared"]
-        return SiteInstructions(rnd, weights, {"phase": phase})
-
-    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        out = {"global": state["global"], "selector": state["selector"]}
-        if self._shared_track:
-            out["personal"] = state["shared"]
-        return out
-
-    def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
-        parts = set(update.weights)
-        if parts == {"selector_stats", "personal"}:
-            check_statistics(update.weights["selector_stats"], self.num_selector_classes,
-                             f"selector statistics from {site}")
-            check_compatible(state["global"], update.weights["personal"], f"personalized model from {site}")
-            if update.num_samples <= 0:
-                raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
-        else:
-            FederatedMethod.validate_update(self, state, site, update)
-
-    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        from engine.fl.personalization import pfedme_server_update
-
-        if self.phase(rnd) == "calibrate":
-            new = self._calibrate(state, updates)
-            for site, update in updates.items():
-                new[f"personal/{site}"] = update.weights["personal"]
-            return new
-        new = dict(state)
-        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
-        new["selector"] = fedavg([(u.weights["selector"], u.num_samples) for u in updates.values()])
-        if self.personalization == "perfedavg":
-            new["shared"] = fedavg([(u.weights["personal"], u.num_samples) for u in updates.values()])
-        elif self.personalization == "pfedme":
-            new["shared"] = pfedme_server_update(state["shared"], [u.weights["personal"] for u in updates.values()],
-                                                 self.pcfg.pfedme_beta)
-        return new
-
-    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
-                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        from engine.fl.personalization import personalized_model, train_personalized_round
-
-        ctx = self._context(instructions.round, site, progress, cancel)
-        seed = self._site_seed(instructions.round, site)
-        n = len(site.train.images)
-        if self.phase(instructions.round) == "calibrate":
-            personal = personalized_model(self.personalization, self.task, instructions.weights, site.train,
-                                          self.round_training(instructions.round), self.pcfg, site.state, seed,
-                                          ctx)
-            stats = self._statistics_update(instructions, site, np.full(n, site.index))
-            return SiteUpdate({"selector_stats": stats.weights["selector_stats"], "personal": personal}, n, {})
-        parts, metrics = train_personalized_round(
-            self.personalization, self.task, instructions.weights, site.index, len(self.site_names), site.train,
-            self.round_training(instructions.round), self.pcfg, site.state, seed, ctx)
-        return SiteUpdate(parts, n, metrics)
 
 
 def empirical_log_priors(count: torch.Tensor) -> torch.Tensor:

@@ -95,10 +95,10 @@ class BestRoundKeeper:
                    names: Sequence[str]) -> dict[str, Any]:
         """Each site's own model at this point: FedSM's ``personal/<site>`` or Local's site model.
 
-        FedSM's personalization variants (:class:`engine.fl.methods.FedSMPersonalized`) build their
-        personalized models only in the calibration round: nothing to score during training.
+        FedSM with a personalization rule other than SoftPull builds its personalized models at the
+        sites, from private state, only in the last round: nothing to score during training.
         """
-        if getattr(method, "personalization", None) is not None:
+        if getattr(method, "personalization", "softpull") != "softpull":
             return {}
         if getattr(method, "name", "") == "local":
             return {rt.name: rt.state["local_model"] for rt in runtimes if "local_model" in rt.state}

@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from engine.bundle.supermodel import PERSONALIZATION_RULES as BUNDLE_PERSONALIZATION_RULES
 from engine.errors import ConfigError
 from engine.fl.weights import Weights, clone_weights, weighted_sum
 
@@ -77,8 +78,35 @@ if TYPE_CHECKING:
     from engine.fl.local_training import LocalTrainingConfig, RoundContext
     from engine.tasks import TaskSpec
 
-#: The alternatives, in the order tables list them (SoftPull is plain :class:`FedSM`).
-PERSONALIZATIONS = ("finetune", "apfl", "perfedavg", "pfedme")
+#: Every rule FedSM can train its personalized models with (``--personalization``); the names
+#: live with the bundle format, which records the rule.
+PERSONALIZATION_RULES = BUNDLE_PERSONALIZATION_RULES
+#: FedSM's own rule (the paper's): personalized models pulled towards each other after every round.
+SOFTPULL = PERSONALIZATION_RULES[0]
+#: The alternatives, in the order tables list them.
+PERSONALIZATIONS = PERSONALIZATION_RULES[1:]
+#: Rules whose sites train one more shared U-Net, averaged by the server (server state ``"shared"``).
+SHARED_TRACK_RULES = ("perfedavg", "pfedme")
+#: Site-state keys of APFL's private model and mixing weight (kept as weight dicts so that a
+#: network site persists them between rounds like any other private tensor).
+APFL_V, APFL_ALPHA = "apfl_v", "apfl_alpha"
+
+
+def check_personalization(rule: str) -> str:
+    """``rule`` if it is one of :data:`PERSONALIZATION_RULES`, else a :class:`ConfigError` naming them."""
+    if rule not in PERSONALIZATION_RULES:
+        raise ConfigError(f"unknown personalization {rule!r}; choose one of {', '.join(PERSONALIZATION_RULES)}")
+    return rule
+
+
+def apfl_alpha_of(site_state: Mapping[str, Any], default: float) -> float:
+    """APFL's mixing weight as the site keeps it (``default`` before the site's first round)."""
+    kept = site_state.get(APFL_ALPHA)
+    return default if kept is None else float(kept["alpha"][0])
+
+
+def _keep_apfl_alpha(site_state: dict[str, Any], alpha: float) -> None:
+    site_state[APFL_ALPHA] = {"alpha": torch.tensor([alpha], dtype=torch.float64)}
 
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -244,17 +272,27 @@ def train_personalized_round(
     site_state: dict[str, Any],
     seed: int,
     ctx: RoundContext,
+    train_selector: bool = True,
 ) -> tuple[dict[str, Weights], dict[str, float]]:
     """One local training round of FedSM with personalization ``kind`` instead of SoftPull.
 
     ``weights`` holds ``global`` and ``selector`` (and ``personal``, the shared meta / pFedMe
     model, for ``perfedavg`` and ``pfedme``). Private state (APFL's ``v`` and ``alpha``,
-    pFedMe's ``theta``) lives in ``site_state`` between rounds and never leaves the site.
+    pFedMe's ``theta``) lives in ``site_state`` between rounds and leaves the site only as the
+    personalized model of the last round (:func:`personalized_model`).
+
+    Parameters
+    ----------
+    train_selector
+        Whether the selector takes a step per batch here (the older per-batch scheme). ``False``
+        when FedSM trains it with the reference scheme in its own pass
+        (:func:`engine.fl.selector_training.reference_selector_round`); then ``selector`` is
+        neither needed nor returned.
 
     Returns
     -------
     parts, metrics
-        The trained parts to send back (same keys as received) and mean losses.
+        The trained parts to send back and mean losses.
     """
     from engine.fl.local_training import Device, _selector_learner, _to_device, batch_order, selector_inputs
 
@@ -265,14 +303,14 @@ def train_personalized_round(
     loss_of = _dice_batch_loss(cfg.loss)
     glob = _seg_net(task, weights["global"], device)
     glob_opt = _adam(glob, cfg.lr)
-    sel = _selector_learner(task, weights["selector"], num_sites, cfg, device)
-    small = selector_inputs(data.images, cfg.selector_size)
+    sel = _selector_learner(task, weights["selector"], num_sites, cfg, device) if train_selector else None
+    small = selector_inputs(data.images, cfg.selector_size) if train_selector else None
 
     second: torch.nn.Module | None = None  # v (APFL), theta meta (Per-FedAvg), w_loc (pFedMe)
     theta: torch.nn.Module | None = None  # pFedMe's personalized model
     if kind == "apfl":
-        second = _seg_net(task, site_state.get("apfl_v", weights["global"]), device)
-        site_state.setdefault("apfl_alpha", pcfg.apfl_alpha)
+        second = _seg_net(task, site_state.get(APFL_V, weights["global"]), device)
+        _keep_apfl_alpha(site_state, apfl_alpha_of(site_state, pcfg.apfl_alpha))
     elif kind in ("perfedavg", "pfedme"):
         second = _seg_net(task, weights["personal"], device)
     if kind == "pfedme":
@@ -296,7 +334,7 @@ def train_personalized_round(
         losses: dict[str, float] = {}
         if kind == "apfl":
             assert second is not None and second_opt is not None
-            alpha = float(site_state["apfl_alpha"])
+            alpha = apfl_alpha_of(site_state, pcfg.apfl_alpha)
             v_now = {n: p.detach() for n, p in second.named_parameters()}
             w_now = {n: p.detach() for n, p in glob.named_parameters()}
             mixed = {n: (alpha * v_now[n] + (1 - alpha) * w_now[n]).requires_grad_() for n in v_now}
@@ -306,7 +344,7 @@ def train_personalized_round(
             second_opt.zero_grad(set_to_none=True)
             _set_grads(second, grad_v)
             second_opt.step()
-            site_state["apfl_alpha"] = apfl_alpha_step(alpha, grad_alpha, pcfg.apfl_alpha_lr)
+            _keep_apfl_alpha(site_state, apfl_alpha_step(alpha, grad_alpha, pcfg.apfl_alpha_lr))
             losses["personal"] = float(loss_mix.detach())
         elif kind == "perfedavg":
             assert second is not None and second_opt is not None
@@ -343,17 +381,20 @@ def train_personalized_round(
         loss_g.backward()
         glob_opt.step()
         losses["global"] = float(loss_g.detach())
-        xs = _to_device(small, idx, device)
-        label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
-        losses["selector"] = sel.step(lambda net, xs=xs, label=label: F.cross_entropy(net(xs), label))
+        if sel is not None:
+            xs = _to_device(small, idx, device)
+            label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
+            losses["selector"] = sel.step(lambda net, xs=xs, label=label: F.cross_entropy(net(xs), label))
         for k, v in losses.items():
             sums[k] = sums.get(k, 0.0) + v
         ctx.report(i, len(batches), losses)
 
-    parts: dict[str, Weights] = {"global": _net_weights(glob), "selector": clone_weights(sel.net.state_dict())}
+    parts: dict[str, Weights] = {"global": _net_weights(glob)}
+    if sel is not None:
+        parts["selector"] = clone_weights(sel.net.state_dict())
     if kind == "apfl":
         assert second is not None
-        site_state["apfl_v"] = _net_weights(second)
+        site_state[APFL_V] = _net_weights(second)
     elif kind in ("perfedavg", "pfedme"):
         assert second is not None
         parts["personal"] = _net_weights(second)
@@ -362,7 +403,7 @@ def train_personalized_round(
     n = max(len(batches), 1)
     metrics = {f"loss_{k}": v / n for k, v in sums.items()} | {"steps": float(len(batches))}
     if kind == "apfl":
-        metrics["apfl_alpha"] = float(site_state["apfl_alpha"])
+        metrics["apfl_alpha"] = apfl_alpha_of(site_state, pcfg.apfl_alpha)
     return parts, metrics
 
 
@@ -385,9 +426,9 @@ def personalized_model(
     from engine.fl.local_training import Device, _to_device, batch_order
 
     if kind == "apfl":
-        if "apfl_v" not in site_state:  # the site missed every training round: no private model
+        if APFL_V not in site_state:  # the site missed every training round: no private model
             return clone_weights(weights["global"])
-        return apfl_mix(site_state["apfl_v"], weights["global"], float(site_state["apfl_alpha"]))
+        return apfl_mix(site_state[APFL_V], weights["global"], apfl_alpha_of(site_state, pcfg.apfl_alpha))
     if kind == "pfedme":
         return clone_weights(site_state.get("pfedme_theta", weights["global"]))
     device = Device.resolve(cfg.device)

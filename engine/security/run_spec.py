@@ -55,6 +55,9 @@ class SiteBounds:
     max_image_size: int = 1024
     max_batch_size: int = 256
     min_batch_size: int = 1
+    #: FedSM personalization rules this site agrees to train (``None``: all). A rule decides what
+    #: the site keeps and what it sends (docs/federation.md, "What leaves a site").
+    allowed_personalizations: tuple[str, ...] | None = None
 
     @classmethod
     def from_dict(cls, table: Mapping[str, Any] | None, where: str = "[bounds]") -> SiteBounds:
@@ -66,9 +69,14 @@ class SiteBounds:
         out: dict[str, Any] = {}
         for key, value in table.items():
             default = getattr(cls, key, None)
-            if key == "allowed_methods":
+            if key in ("allowed_methods", "allowed_personalizations"):
                 if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-                    raise ConfigError(f"{where}: allowed_methods must be a list of method names")
+                    raise ConfigError(f"{where}: {key} must be a list of names")
+                if key == "allowed_personalizations":
+                    from engine.fl.personalization import check_personalization
+
+                    for rule in value:
+                        check_personalization(rule)
                 out[key] = tuple(value)
             elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                     or value <= 0 or (isinstance(default, int) and not isinstance(value, int)):
@@ -88,6 +96,10 @@ class SiteBounds:
                    else self.allowed_methods)
         if spec.get("method") not in allowed:
             out.append(f"method {spec.get('method')!r} is not in allowed_methods {list(allowed)}")
+        rule = spec.get("personalization", "softpull")
+        if self.allowed_personalizations is not None and rule not in self.allowed_personalizations:
+            out.append(f"personalization {rule!r} is not in allowed_personalizations "
+                       f"{list(self.allowed_personalizations)}")
         for key, bound, above in (("rounds", self.max_rounds, True), ("epochs", self.max_epochs, True),
                                   ("lr", self.max_lr, True), ("selector_lr", self.max_selector_lr, True),
                                   ("image_size", self.max_image_size, True), ("batch_size", self.max_batch_size, True),

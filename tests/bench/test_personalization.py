@@ -109,13 +109,14 @@ def test_config_rejects_bad_values():
 
 
 # --- whole method through the in-process transport --------------------------------------------
-def _run(kind: str, tiny_training):
+def _run(kind: str, tiny_training, **options):
     from engine.federation.inprocess import run_rounds
-    from engine.fl.methods import FedSMPersonalized, SiteRuntime
+    from engine.fl.methods import FedSM, SiteRuntime
     from engine.tasks import FUNDUS
 
-    sites = [SiteRuntime("a", 0, random_split(4, seed=1)), SiteRuntime("b", 1, random_split(4, seed=2, shift=0.4))]
-    method = FedSMPersonalized(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, personalization=kind)
+    sites = [SiteRuntime("a", 0, random_split(4, seed=1), validation=random_split(2, seed=3)),
+             SiteRuntime("b", 1, random_split(4, seed=2, shift=0.4), validation=random_split(2, seed=4, shift=0.4))]
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, lam=0.5, personalization=kind, **options)
     initial = method.initial_state()
     state, records = run_rounds(method, sites, method.total_rounds)
     return method, sites, initial, state, records
@@ -123,17 +124,22 @@ def _run(kind: str, tiny_training):
 
 @pytest.mark.parametrize("kind", ["finetune", "apfl", "perfedavg", "pfedme"])
 def test_each_alternative_trains_and_fills_the_super_model(kind, tiny_training):
-    method, sites, initial, state, records = _run(kind, tiny_training)
+    """Every rule goes through FedSM's one path: reference selector, style gate, validation Dice for the guard."""
+    method, sites, initial, state, records = _run(kind, tiny_training, style_gate=0.95)
     assert all(not r.failed for r in records), [r.failed for r in records]
-    assert method.name == "fedsm" and method.total_rounds == 2
+    assert method.name == "fedsm" and method.total_rounds == 2 and method.reference_selector
+    assert "style_gate" in state and "selector_optim" in state
     for site in sites:
         personal = state[f"personal/{site.name}"]
         assert set(personal) == set(initial["global"])
         assert all(torch.isfinite(v).all() for v in personal.values())
-        assert any(not torch.equal(personal[k], initial[f"personal/{site.name}"][k]) for k in personal)
+        assert any(not torch.equal(personal[k], initial["global"][k]) for k in personal)
+        # the last round scored the site's own personalized model for the routing guard
+        assert f"{site.name}.personal" in state["validation_dice"]
     if kind == "apfl":
         for site in sites:  # the personalized model is the final mixture alpha v + (1 - alpha) w_global
-            expected = apfl_mix(site.state["apfl_v"], state["global"], site.state["apfl_alpha"])
+            alpha = float(site.state["apfl_alpha"]["alpha"][0])
+            expected = apfl_mix(site.state["apfl_v"], state["global"], alpha)
             assert all(torch.allclose(state[f"personal/{site.name}"][k], expected[k]) for k in expected)
     if kind == "pfedme":
         for site in sites:  # theta stays at the site during training and is the personalized model
@@ -147,19 +153,35 @@ def test_each_alternative_trains_and_fills_the_super_model(kind, tiny_training):
 
 def test_training_round_sends_no_private_model(tiny_training):
     from engine.federation.inprocess import weightset_bytes
-    from engine.fl.methods import FedSMPersonalized
+    from engine.fl.methods import FedSM
     from engine.tasks import FUNDUS
 
-    method = FedSMPersonalized(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, personalization="apfl")
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, lam=0.5, personalization="apfl")
     state = method.initial_state()
     sent = method.site_instructions(state, 1, "a").weights
-    assert set(sent) == {"global", "selector"}
+    assert set(sent) == {"global", "selector", "selector_optim"}
     assert weightset_bytes(sent) > 0
+    assert not any(k.startswith("personal/") for k in state)
+
+
+def test_last_round_answer_must_carry_the_personalized_model(tiny_training):
+    from engine.fl.methods import FedSM, SiteUpdate
+    from engine.tasks import FUNDUS
+
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, lam=0.5, personalization="apfl")
+    state = method.initial_state()
+    metrics = {"val_dice_global": 0.5, "val_dice_personal": 0.6}
+    with pytest.raises(ConfigError, match="lacks its personalized model"):
+        method.validate_update(state, "a", SiteUpdate({}, 4, metrics))
+    bad = {k: v[..., :1] if v.dim() else v for k, v in state["global"].items()}
+    with pytest.raises(Exception, match="personalized model from a"):
+        method.validate_update(state, "a", SiteUpdate({"personal": bad}, 4, metrics))
+    method.validate_update(state, "a", SiteUpdate({"personal": state["global"]}, 4, metrics))
 
 
 def test_unknown_personalization_is_rejected(tiny_training):
-    from engine.fl.methods import FedSMPersonalized
+    from engine.fl.methods import FedSM
     from engine.tasks import FUNDUS
 
     with pytest.raises(ConfigError, match="personalization"):
-        FedSMPersonalized(FUNDUS, ["a", "b"], tiny_training, personalization="magic")
+        FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, personalization="magic")

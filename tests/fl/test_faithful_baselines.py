@@ -76,7 +76,7 @@ def test_pfedme_local_model_step_by_hand(cfg, outer):
 def _apfl_private_step(alpha: float, optimizer: str, cfg) -> float:
     data = random_split(4, seed=4)
     received = _weights(1)
-    state = {"apfl_alpha": alpha}
+    state = {"apfl_alpha": {"alpha": torch.tensor([alpha], dtype=torch.float64)}}
     pcfg = PersonalizationConfig(apfl_v_optimizer=optimizer, apfl_v_lr=0.1, apfl_alpha_lr=1e-9)
     train_personalized_round("apfl", FUNDUS, received, 0, 2, data, cfg, pcfg, state, 0, _ctx())
     v = state["apfl_v"]
