@@ -41,17 +41,19 @@ def tiny_training():
 #: (a fuzz module's last test checks what its other tests counted).
 SERIAL_GROUP_DIRS = ("tests/federation/",)
 
-#: pytest-timeout's bound for a test that starts federation processes (the default, ``timeout`` in
-#: pyproject.toml, bounds every other test). Generous: these tests wait on SuperLink, SuperNodes and
-#: several rounds of training on a busy 2-core machine; a hang still ends well inside CI's 90 minutes.
-FEDERATION_TIMEOUT_S = 600
+#: pytest-timeout's bound for a test that starts federation processes or is marked ``slow`` (the
+#: default, ``timeout`` in pyproject.toml, bounds every other test). Generous: these tests wait on
+#: SuperLink, SuperNodes and several rounds of training, and on a busy 2-core machine take several
+#: times their idle duration; a hang still ends well inside CI's 90 minutes.
+LONG_TIMEOUT_S = 600
 
 
 def pytest_collection_modifyitems(config, items):
-    """Give the federation tests their longer bound unless a test sets its own."""
+    """Give the federation and slow tests their longer bound unless a test sets its own."""
     for item in items:
-        if item.nodeid.startswith(SERIAL_GROUP_DIRS) and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(FEDERATION_TIMEOUT_S))
+        long = item.nodeid.startswith(SERIAL_GROUP_DIRS) or item.get_closest_marker("slow") is not None
+        if long and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -32,18 +32,24 @@ ANALYSES = ("tune", "main", "lam", "unseen", "personalization", "blackfed", "fed
 
 
 def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
-                    progress: ProgressFn | None = None) -> list[Any]:
-    """Reuse or generate the task's synthetic federation under ``OUT/data/<task>`` and load it."""
+                    progress: ProgressFn | None = None, data_seed: int | None = None) -> list[Any]:
+    """Reuse or generate the task's synthetic federation and load it.
+
+    ``data_seed`` (default: the preset's fixed one) picks the draw: ``OUT/data/<task>`` for the
+    preset's fixed data seed, ``OUT/data/<task>-data<seed>`` where each seed has its own data.
+    """
     from engine.data.site_data import load_site
     from engine.data.synth import existing_federation, generate_federation
 
-    data_dir = Path(out_dir) / "data" / tp.task
-    paths = existing_federation(data_dir, tp.task, tp.sites, tp.image_size, preset.data_seed, slices=tp.slices)
+    seed = preset.data_seed_for(0) if data_seed is None else int(data_seed)
+    folder = tp.task if preset.data_seed is not None else f"{tp.task}-data{seed}"
+    data_dir = Path(out_dir) / "data" / folder
+    paths = existing_federation(data_dir, tp.task, tp.sites, tp.image_size, seed, slices=tp.slices)
     if paths is None:
         if progress:
             progress({"event": "status", "message": f"generating synthetic {tp.task} data ({tp.sites} sites, "
-                                                    f"{tp.image_size} px) in {data_dir}"})
-        paths = generate_federation(tp.task, tp.sites, data_dir, image_size=tp.image_size, seed=preset.data_seed,
+                                                    f"{tp.image_size} px, data seed {seed}) in {data_dir}"})
+        paths = generate_federation(tp.task, tp.sites, data_dir, image_size=tp.image_size, seed=seed,
                                     slices=tp.slices)
     task = get_task(tp.task)
     return [load_site(p, task, tp.image_size) for p in paths]
@@ -66,7 +72,7 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
     by other code, other torch/MONAI/numpy versions or on another kind of device is not reused.
     """
     settings: dict[str, Any] = {
-        "task": asdict(tp), "data_seed": preset.data_seed, "device": resolved_device(device),
+        "task": asdict(tp), "data_seed": preset.data_seed_for(key.seed), "device": resolved_device(device),
         "training": {"epochs": preset.epochs, "batch_size": preset.batch_size, "lr": preset.lr,
                      "selector_lr": preset.selector_lr, "selector_size": preset.selector_size,
                      "gamma": preset.gamma, "prox_mu": preset.prox_mu, "lr_schedule": preset.lr_schedule,

@@ -49,7 +49,11 @@ class BenchPreset:
     Attributes
     ----------
     seeds
-        Training seeds of the main comparison (data is generated once with ``data_seed``).
+        Training seeds of the main comparison.
+    data_seed
+        Seed of the synthetic data every job trains on; ``None``: each training seed has its own
+        data, generated with the same seed (training seed and data seed move together), so a
+        finding that holds on every seed is not a property of one draw of the data.
     lam_values
         SoftPull lam sweep (paper Table 7); trained as given, also below ``1/K``
         (:func:`engine.bench.jobs.sweep_lam`).
@@ -58,7 +62,11 @@ class BenchPreset:
     unseen_site
         1-based index of the site left out of training for the unseen-site analysis.
     personalizations
-        Alternatives to SoftPull trained inside FedSM (paper Table 6).
+        Alternatives to SoftPull trained inside FedSM (paper Table 6), each through FedSM's full
+        routing path (reference selector, style gate, auto routing, guard, best round).
+    personalization_seeds
+        Seeds of the personalization runs; ``None``: the analysis seeds. A preset that compares
+        the rules with FedAvg and Centralized seed by seed uses the main seeds.
     analysis_seeds
         Seeds of the lam sweep, unseen-site and personalization runs (the first also tunes the
         learning rates).
@@ -88,7 +96,7 @@ class BenchPreset:
     tasks: tuple[TaskPreset, ...]
     methods: tuple[str, ...] = MAIN_METHODS
     seeds: tuple[int, ...] = (0, 1, 2)
-    data_seed: int = 0
+    data_seed: int | None = 0
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
@@ -101,6 +109,7 @@ class BenchPreset:
     unseen_site: int = 6
     personalizations: tuple[str, ...] = ("finetune", "apfl", "perfedavg", "pfedme")
     analysis_seeds: tuple[int, ...] = (0,)
+    personalization_seeds: tuple[int, ...] | None = None
     unseen_analysis: bool = True
     perf: bool = True
     perf_image_size: int = 64
@@ -135,6 +144,15 @@ class BenchPreset:
             if t.task == name:
                 return t
         raise ConfigError(f"preset {self.name} has no task {name!r}")
+
+    def data_seed_for(self, seed: int) -> int:
+        """The data seed of a job trained with ``seed`` (see :attr:`data_seed`)."""
+        return int(seed) if self.data_seed is None else int(self.data_seed)
+
+    @property
+    def rule_seeds(self) -> tuple[int, ...]:
+        """Seeds of the personalization runs (:attr:`personalization_seeds`, else the analysis seeds)."""
+        return self.analysis_seeds if self.personalization_seeds is None else self.personalization_seeds
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-ready dict (recorded in every cached result and in the report)."""
@@ -177,7 +195,7 @@ PRESETS: dict[str, BenchPreset] = {
         tasks=(TaskPreset("fundus", sites=6, image_size=64, rounds=60, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=32, rounds=150, slices=6, lam=0.3)),
         seeds=(0, 1, 2), batch_size=8, lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.01, loss="dicece",
-        keep_best=True, lr_grid=(3e-4, 1e-3, 3e-3), tune_rounds=30,
+        keep_best=True, lr_grid=(3e-4, 1e-3, 3e-3), tune_rounds=30, data_seed=None, personalization_seeds=(0, 1, 2),
     ),
     "paper": BenchPreset(
         name="paper",
@@ -235,6 +253,8 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
         if unknown:
             raise ConfigError(f"preset {preset.name} has no method(s) {unknown}; it has {', '.join(preset.methods)}")
         out = replace(out, methods=tuple(m for m in preset.methods if m in methods))
+    if seeds and out.personalization_seeds is not None:
+        out = replace(out, personalization_seeds=tuple(s for s in out.personalization_seeds if s in seeds))
     if main_only:
         out = replace(out, perf=False, lr_grid=(), lam_values=(), personalizations=(), analysis_seeds=(),
                       fediod_seeds=())

@@ -149,6 +149,7 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
         if a in by and b in by:
             lines.append(f"- {T[a]} − {T[b]}: {_diff(tables.paired_difference(results, task_name, a, b))}")
     lines += _best_round_lines(results, preset, task_name)
+    lines += _rule_lines(results, preset, task_name)
     sites, site_rows = tables.per_site_rows(results, task_name, preset.methods)
     if site_rows:
         lines += ["", f"Per-site test Dice ({task_name}, mean over structures and seeds):", ""]
@@ -218,6 +219,47 @@ def _best_round_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset
             verdict = "not measured" if r["flat"] is None else ("plateaued" if r["flat"] else "NOT plateaued")
             body.append([T.get(r["method"], r["method"]), verdict, seeds])
         lines += _table(["method", "verdict", "per seed"], body)
+    return lines
+
+
+def _rule_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, task_name: str) -> list[str]:
+    """FedSM with every personalization rule, each under the full routing path, paired per seed with
+    FedAvg and Centralized at each method's best round."""
+    rows = [r for r in tables.rule_paired_rows(results, task_name, preset.personalizations)
+            if r["vs_fedavg"] or r["vs_centralized"]]
+    if len(rows) < 2:  # SoftPull alone is the main table's FedSM row
+        return []
+
+    def per_seed(d: dict[int, float]) -> str:
+        return " / ".join(f"{v:+.4f}" for v in d.values()) if d else "—"
+
+    lines = ["", f"FedSM per personalization rule ({task_name}): every rule trains and routes through the same path "
+                 "(reference selector, style gate, `auto` site routing, routing guard, best round by validation); "
+                 "routed test Dice, and per seed (in seed order) FedSM − FedAvg and FedSM − Centralized, each at its "
+                 "best round; the share of test images routed to their own site's model.", ""]
+    lines += _table(["personalization", "routed Dice", "− FedAvg per seed", "− Centralized per seed",
+                     "best rounds", "routed to own", "seeds"],
+                    [[r["rule"], _ms(r["routed"]), per_seed(r["vs_fedavg"]), per_seed(r["vs_centralized"]),
+                      " / ".join(str(v) for v in r["best_round"].values()), _ms(r["own_share"], 2),
+                      ", ".join(map(str, r["seeds"]))] for r in rows])
+    return lines
+
+
+def _rule_choice_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset) -> list[str]:
+    """Which personalization rule the evidence favours over all tasks (:func:`tables.choose_rule`)."""
+    if not preset.personalizations:
+        return []
+    choice = tables.choose_rule(results, [tp.task for tp in preset.tasks], preset.personalizations)
+    if not choice["ranked"]:
+        return []
+    lines = ["", "### Personalization rule chosen by the evidence", "",
+             "Rules ranked by the mean over tasks of their mean per-seed FedSM − FedAvg (client-average test Dice, "
+             "each method at its best round); *meets*: above FedAvg on every fundus seed and within "
+             f"{tables.PROSTATE_MARGIN} of it on every prostate seed. Only rules measured on every task and seed "
+             "are ranked.", ""]
+    lines += _table(["rule", "score", *[f"{t} mean − FedAvg" for t in [tp.task for tp in preset.tasks]], "meets"],
+                    [[r["rule"], f"{r['score']:+.4f}", *[f"{r['per_task'][tp.task]:+.4f}" for tp in preset.tasks],
+                      "yes" if r["meets"] else "no"] for r in choice["ranked"]])
     return lines
 
 
@@ -330,15 +372,13 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
     if plots.plot_gamma(part, unseen.get("unseen_rows", []), unseen.get("site"), task_name, path):
         lines += ["", f"![{task_name} gamma]({rel})"]
     # personalization alternatives
-    pers = tables.personalization_rows(results, task_name, preset.personalizations, preset.analysis_seeds)
+    pers = tables.personalization_rows(results, task_name, preset.personalizations, preset.rule_seeds)
     lines += ["", f"### {task_name}: personalization inside FedSM (the paper's Table 6)", "",
-              "Global model (FedAvg) trained as in FedSM. The personalized models differ, and so does the "
-              "routing: the SoftPull row is the main FedSM run (reference selector, site-style gate, `auto` "
-              "site routing, guard); the other rows route with the per-batch selector and its LDA head at "
-              "gamma and without the guard (their sites report no validation Dice). Compare the "
-              "personalization rules by the oracle column (each site's personalized model on its own test "
-              "images). "
-              "Hyper-parameters: `engine/fl/personalization.py` (`PersonalizationConfig` defaults).", ""]
+              "Global model (FedAvg) and selector trained as in FedSM; only the personalized models differ. Every "
+              "row routes the same way: reference selector, site-style gate, `auto` site routing and the routing "
+              "guard, which each rule's sites feed with their personalized model's validation Dice (SoftPull's "
+              "row is the main FedSM run). The oracle column is each site's personalized model on its own test "
+              "images. Hyper-parameters: `engine/fl/personalization.py` (`PersonalizationConfig` defaults).", ""]
     lines += _table(["personalization", "routed Dice", "personalized (oracle)", "global alone", "selector acc.",
                      "wall s", "seeds"],
                     [[T.get(r["method"], r["method"]), _ms(r["routed"]), _ms(r["oracle"]), _ms(r["global_only"]),
@@ -495,8 +535,12 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         f"{machine_label(machine)}; load average at start {machine.get('load_average_at_start')}.",
         f"- Preset: {preset.description}.",
         f"- Seeds: main comparison {', '.join(map(str, preset.seeds))}; analyses "
-        f"{', '.join(map(str, preset.analysis_seeds))}; data seed {preset.data_seed} (the same synthetic data for "
-        "every training seed; the seed changes initialisation and batch order).",
+        f"{', '.join(map(str, preset.analysis_seeds))}; "
+        f"personalization rules {', '.join(map(str, preset.rule_seeds))}; "
+        + (f"data seed {preset.data_seed} (the same synthetic data for every training seed; the seed changes "
+           "initialisation and batch order)." if preset.data_seed is not None else
+           "each training seed has its own synthetic data, generated with the same seed (seed 1 trains on data "
+           "seed 1), so a finding that holds on every seed holds on three draws of the data."),
         f"- Training: {preset.epochs} local epoch(s) per round, batch {preset.batch_size}, Adam lr {preset.lr}, "
         f"selector lr {preset.selector_lr or 'default (1e-3 reference scheme, 1e-5 per-batch)'} on "
         f"{preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
@@ -529,7 +573,8 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
     for tp in preset.tasks:
         lines += _main_section(results, preset, tp.task, img, docs)
         lines.append("")
-    lines += ["## Analyses"]
+    lines += _rule_choice_lines(results, preset)
+    lines += ["", "## Analyses"]
     for tp in preset.tasks:
         lines += _analysis_sections(results, preset, tp.task, img, docs)
     for tp in preset.tasks:

@@ -48,7 +48,7 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
     for seed in preset.seeds:
         for tp in preset.tasks:
             jobs += [JobKey(tp.task, "main", m, seed) for m in preset.methods]
-    for seed in preset.analysis_seeds:
+    for seed in preset.rule_seeds:
         for tp in preset.tasks:
             jobs += [JobKey(tp.task, "personalization", f"fedsm-{k}", seed) for k in preset.personalizations]
     for seed in preset.analysis_seeds if preset.unseen_analysis else ():
@@ -146,7 +146,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     machine = machine_info(device, threads)
     started = time.perf_counter()
     summary: dict[str, Any] = {"preset": preset.name, "ran": [], "cached": [], "failed": {}}
-    contexts: dict[str, JobContext] = {}
+    contexts: dict[tuple[str, int], JobContext] = {}  # per task and data seed
 
     def emit(event: dict[str, Any]) -> None:
         if progress:
@@ -186,11 +186,13 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
             if tp is None:
                 result = measure_all(preset, device)
             else:
-                if tp.task not in contexts:
-                    contexts[tp.task] = JobContext(preset, tp, load_task_sites(preset, tp, out_dir, progress),
-                                                   out_dir / "work", device, progress, cancel)
-                contexts[tp.task].lr_for = chosen_lrs_cached(tp.task)
-                result = run_job(contexts[tp.task], key)
+                where = (tp.task, preset.data_seed_for(key.seed))
+                if where not in contexts:
+                    contexts[where] = JobContext(preset, tp, load_task_sites(preset, tp, out_dir, progress,
+                                                                             data_seed=where[1]),
+                                                 out_dir / "work", device, progress, cancel)
+                contexts[where].lr_for = chosen_lrs_cached(tp.task)
+                result = run_job(contexts[where], key)
         except CancelledError:
             raise
         except Exception as exc:  # one failed job must not cost the rest of an hour-long run

@@ -218,6 +218,66 @@ def personalization_rows(results: Results, task: str, kinds: Iterable[str],
     return rows
 
 
+def rule_runs(results: Results, task: str, rule: str) -> dict[int, dict[str, Any]]:
+    """FedSM's runs with personalization ``rule``: the main FedSM runs for SoftPull, else the rule's jobs."""
+    if rule == "softpull":
+        return _select(results, task, "main", "fedsm")
+    return _select(results, task, "personalization", f"fedsm-{rule}")
+
+
+def rule_paired_rows(results: Results, task: str, rules: Iterable[str]) -> list[dict[str, Any]]:
+    """Per personalization rule (SoftPull first): FedSM's routed test Dice and, seed by seed, its
+    difference to FedAvg and to Centralized (client-average mean Dice, each at its best round)."""
+    fedavg, central = _select(results, task, "main", "fedavg"), _select(results, task, "main", "centralized")
+    rows = []
+    for rule in ("softpull", *[r for r in rules if r != "softpull"]):
+        runs = rule_runs(results, task, rule)
+        mean = {s: r["client_average"]["mean"] for s, r in runs.items()}
+        rows.append({
+            "rule": rule, "seeds": sorted(runs), "routed": _stat(runs, lambda r: r["client_average"]["mean"]),
+            "vs_fedavg": {s: mean[s] - fedavg[s]["client_average"]["mean"] for s in sorted(set(mean) & set(fedavg))},
+            "vs_centralized": {s: mean[s] - central[s]["client_average"]["mean"]
+                               for s in sorted(set(mean) & set(central))},
+            "best_round": {s: r.get("best_round") for s, r in sorted(runs.items())},
+            "own_share": _stat(runs, lambda r: float(np.mean([f[site] for site, f in r["extra"]["routing"].items()]))),
+        })
+    return rows
+
+
+#: The acceptance of issue 32 for the default rule: FedSM - FedAvg above 0 on every fundus seed and
+#: at least this on every prostate seed.
+PROSTATE_MARGIN = -0.005
+
+
+def choose_rule(results: Results, tasks: Iterable[str], rules: Iterable[str]) -> dict[str, Any]:
+    """The personalization rule with the best paired result against FedAvg over the tasks.
+
+    Score: the mean over tasks of the rule's mean per-seed FedSM - FedAvg difference (each task
+    weighs the same, whatever its seeds). Only rules measured on every task and on every seed
+    FedAvg ran are ranked. ``meets`` says whether a rule is above FedAvg on every fundus seed and
+    within :data:`PROSTATE_MARGIN` on every prostate seed.
+    """
+    tasks = list(tasks)
+    ranked: list[dict[str, Any]] = []
+    for rule in ("softpull", *[r for r in rules if r != "softpull"]):
+        per_task, complete, meets = {}, True, True
+        for task in tasks:
+            row = next(r for r in rule_paired_rows(results, task, [rule]) if r["rule"] == rule)
+            expected = set(_select(results, task, "main", "fedavg"))
+            if not row["vs_fedavg"] or set(row["vs_fedavg"]) != expected:
+                complete = False
+                break
+            diffs = list(row["vs_fedavg"].values())
+            per_task[task] = float(np.mean(diffs))
+            floor = 0.0 if task == "fundus" else PROSTATE_MARGIN
+            meets = meets and (all(d > floor for d in diffs) if task == "fundus" else all(d >= floor for d in diffs))
+        if complete:
+            ranked.append({"rule": rule, "score": float(np.mean(list(per_task.values()))), "per_task": per_task,
+                           "meets": meets})
+    ranked.sort(key=lambda r: r["score"], reverse=True)
+    return {"ranked": ranked, "best": ranked[0]["rule"] if ranked else None}
+
+
 def unseen_summary(results: Results, task: str) -> dict[str, Any]:
     """The unseen-site analysis: gamma sweeps on the unseen and participating sites, baselines."""
     fedsm = _select(results, task, "unseen", "fedsm")

@@ -36,6 +36,13 @@ def review_rows(shown: Mapping[str, Any], bounds: Mapping[str, Any]) -> list[dic
     rows.append({"setting": "method", "value": method,
                  "bound": "any method" if allowed is None else "one of " + ", ".join(allowed),
                  "ok": isinstance(method, str) and (allowed is None or method in allowed)})
+    if method == "fedsm":
+        # the rule decides what the site keeps and what it sends (docs/federation.md, "What leaves a site")
+        rule = shown.get("personalization", "softpull")
+        rules = b.allowed_personalizations
+        rows.append({"setting": "personalization", "value": rule,
+                     "bound": "any rule" if rules is None else "one of " + ", ".join(rules),
+                     "ok": isinstance(rule, str) and (rules is None or rule in rules)})
     for key, bound, above in (("rounds", b.max_rounds, True), ("epochs", b.max_epochs, True),
                               ("lr", b.max_lr, True), ("selector_lr", b.max_selector_lr, True),
                               ("image_size", b.max_image_size, True), ("batch_size", b.max_batch_size, True),

@@ -212,8 +212,9 @@ def _check_signature(envelope: Mapping[str, Any], ca_cert: Path, message: bytes)
 def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
     """The settings an operator reviews before joining (a flat, display-ready dict)."""
     spec = dict(settings.get("spec", {}))
-    keys = ("method", "task", "rounds", "epochs", "batch_size", "lr", "selector_lr", "image_size", "seed", "lam",
-            "gamma", "prox_mu", "extra_rounds", "selector_size", "selector_head", "site_names")
+    keys = ("method", "personalization", "task", "rounds", "epochs", "batch_size", "lr", "selector_lr",
+            "image_size", "seed", "lam", "gamma", "prox_mu", "extra_rounds", "selector_size", "selector_head",
+            "site_names")
     shown = {k: spec[k] for k in keys if k in spec}
     return {**shown, "app_hash": settings.get("app_hash"), "session": settings.get("session"),
             "signed": bool(settings.get("signed"))}
@@ -221,7 +222,8 @@ def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def format_settings(shown: Mapping[str, Any]) -> str:
     """:func:`describe`'s dict as one readable line."""
-    order = (("method", "{}"), ("task", "task {}"), ("rounds", "{} rounds"), ("epochs", "{} epoch(s) per round"),
+    order = (("method", "{}"), ("personalization", "personalization {}"),
+             ("task", "task {}"), ("rounds", "{} rounds"), ("epochs", "{} epoch(s) per round"),
              ("batch_size", "batch {}"), ("lr", "lr {:g}"), ("selector_lr", "selector lr {:g}"),
              ("image_size", "{} px"), ("seed", "seed {}"), ("lam", "lam {:g}"), ("gamma", "gamma {:g}"))
     parts = []
@@ -243,8 +245,9 @@ def format_settings(shown: Mapping[str, Any]) -> str:
 def bounds_dict(bounds: SiteBounds) -> dict[str, Any]:
     """``bounds`` as JSON-ready data (passed to the SuperNode's launcher)."""
     out = asdict(bounds)
-    if bounds.allowed_methods is None:
-        del out["allowed_methods"]  # the default: every method
-    else:
-        out["allowed_methods"] = list(bounds.allowed_methods)
+    for key in ("allowed_methods", "allowed_personalizations"):
+        if out[key] is None:
+            del out[key]  # the default: every method / rule
+        else:
+            out[key] = list(out[key])
     return out

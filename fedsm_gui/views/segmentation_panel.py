@@ -189,7 +189,8 @@ class SegmentationPanel(QGroupBox):
             return ""
         extra = meta.get("extra") or {}
         seed = f", seed {extra['seed']}" if "seed" in extra else ""
-        return (f"{Path(path).name if path else '?'} — {meta.get('method', '?')} on {meta.get('task', '?')}, "
+        return (f"{Path(path).name if path else '?'} — {meta.get('method', '?')}{_rule_words(meta)} on "
+                f"{meta.get('task', '?')}, "
                 f"{len(meta.get('site_names', []))} sites ({', '.join(meta.get('site_names', []))}), "
                 f"{meta.get('rounds', '?')} rounds{seed}; written {meta.get('created', '?')} by FedSM engine "
                 f"{meta.get('engine_version', '?')}<br><small>{path or ''}</small>")
@@ -212,7 +213,7 @@ class SegmentationPanel(QGroupBox):
         self.metadata_label.setText(
             f"<b>{metadata.get('task', '?')}</b> · {metadata.get('method', '?')} · "
             f"{len(metadata.get('site_names', []))} sites · {metadata.get('rounds', '?')} rounds · "
-            f"λ {_fmt_number(metadata.get('lam'))} · γ {_fmt_number(metadata.get('gamma'))} · "
+            f"{_personalization_text(metadata)} · γ {_fmt_number(metadata.get('gamma'))} · "
             f"routing {metadata.get('routing', '?')}"
             f"<br>labels: {', '.join(metadata.get('label_names', []))}"
             f"<table><tr><th align='left'>site</th><th>validation Dice</th></tr>{rows}</table>")
@@ -285,3 +286,22 @@ class SegmentationPanel(QGroupBox):
         text = f"Vertical cup-to-disc ratio: {', '.join(parts)}" if parts else ""
         self.cdr_label.setText(text + "".join(f"\n⚠ {d}" for d in doubts))
         self.cdr_label.setStyleSheet("color: #b35900;" if doubts else "")
+
+
+#: How the desktop app names each personalization rule of a FedSM bundle.
+RULE_TITLES = {"softpull": "SoftPull", "apfl": "APFL", "finetune": "local fine-tuning", "perfedavg": "Per-FedAvg",
+               "pfedme": "pFedMe"}
+
+
+def _personalization_text(metadata: dict[str, Any]) -> str:
+    """``"SoftPull λ 0.7"`` or the other rule's name: how the bundle's personalized models were trained."""
+    rule = metadata.get("personalization", "softpull")
+    if metadata.get("method") != "fedsm" or rule == "softpull":
+        return f"λ {_fmt_number(metadata.get('lam'))}"
+    return f"personalized by {RULE_TITLES.get(rule, rule)}"
+
+
+def _rule_words(metadata: dict[str, Any]) -> str:
+    """`` (personalized by APFL)`` for a FedSM bundle whose rule is not SoftPull, else ``""``."""
+    rule = metadata.get("personalization", "softpull")
+    return "" if metadata.get("method") != "fedsm" or rule == "softpull" else f" ({_personalization_text(metadata)})"

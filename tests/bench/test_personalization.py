@@ -185,3 +185,68 @@ def test_unknown_personalization_is_rejected(tiny_training):
 
     with pytest.raises(ConfigError, match="personalization"):
         FedSM(FUNDUS, ["a", "b"], tiny_training, lam=0.5, personalization="magic")
+
+
+# --- the bench: every rule paired with FedAvg and Centralized, and the rule the evidence favours ------
+def _avg(value: float, own: float = 0.5) -> dict:
+    return {"client_average": {"mean": value}, "best_round": 7,
+            "extra": {"routing": {"site1": {"global": 1 - own, "site1": own}}}}
+
+
+def _bench_results(fundus: dict[str, list[float]], prostate: dict[str, list[float]]) -> dict:
+    from engine.bench.cache import JobKey
+
+    out = {}
+    for task, table in (("fundus", fundus), ("prostate", prostate)):
+        for method, values in table.items():
+            analysis = "main" if method in ("fedavg", "centralized", "fedsm") else "personalization"
+            for seed, v in enumerate(values):
+                out[JobKey(task, analysis, method, seed)] = _avg(v)
+    return out
+
+
+def test_rule_rows_pair_each_rule_with_fedavg_and_centralized_per_seed():
+    from engine.bench.tables import rule_paired_rows
+
+    results = _bench_results({"fedavg": [0.50, 0.60], "centralized": [0.55, 0.58], "fedsm": [0.52, 0.59],
+                              "fedsm-apfl": [0.70, 0.61]}, {})
+    rows = {r["rule"]: r for r in rule_paired_rows(results, "fundus", ["apfl", "pfedme"])}
+    assert rows["softpull"]["vs_fedavg"] == pytest.approx({0: 0.02, 1: -0.01})
+    assert rows["apfl"]["vs_fedavg"] == pytest.approx({0: 0.20, 1: 0.01})
+    assert rows["apfl"]["vs_centralized"] == pytest.approx({0: 0.15, 1: 0.03})
+    assert rows["pfedme"]["seeds"] == [] and rows["pfedme"]["vs_fedavg"] == {}
+    assert rows["apfl"]["best_round"] == {0: 7, 1: 7} and rows["apfl"]["own_share"][0] == pytest.approx(0.5)
+
+
+def test_the_rule_chosen_is_the_best_paired_over_both_tasks_and_only_complete_rules_rank():
+    from engine.bench.tables import choose_rule
+
+    results = _bench_results(
+        {"fedavg": [0.50, 0.60, 0.55], "fedsm": [0.51, 0.59, 0.56], "fedsm-apfl": [0.60, 0.65, 0.60],
+         "fedsm-pfedme": [0.70, 0.70]},  # pfedme misses seed 2: not ranked
+        {"fedavg": [0.80, 0.82, 0.81], "fedsm": [0.80, 0.82, 0.81], "fedsm-apfl": [0.79, 0.82, 0.80],
+         "fedsm-pfedme": [0.9, 0.9, 0.9]})
+    choice = choose_rule(results, ["fundus", "prostate"], ["apfl", "pfedme"])
+    assert [r["rule"] for r in choice["ranked"]] == ["apfl", "softpull"] and choice["best"] == "apfl"
+    apfl, softpull = choice["ranked"]
+    assert apfl["per_task"]["fundus"] == pytest.approx(0.0667, abs=1e-4)
+    assert apfl["per_task"]["prostate"] == pytest.approx(-0.0067, abs=1e-4)
+    assert apfl["meets"] is False  # prostate seed 0 is 0.01 below FedAvg (the margin is 0.005)
+    assert softpull["meets"] is False  # fundus seed 1 below FedAvg
+
+
+def test_cpu_converged_gives_each_seed_its_own_data_and_runs_every_rule_on_the_main_seeds():
+    from engine.bench.cache import JobKey
+    from engine.bench.jobs import job_settings
+    from engine.bench.presets import get_preset
+    from engine.bench.runner import plan_jobs
+
+    preset = get_preset("cpu-converged")
+    assert [preset.data_seed_for(s) for s in (0, 1, 2)] == [0, 1, 2]
+    jobs = plan_jobs(preset)
+    for task in ("fundus", "prostate"):
+        for rule in preset.personalizations:
+            assert {k.seed for k in jobs if k.task == task and k.method == f"fedsm-{rule}"} == {0, 1, 2}
+    tp = preset.task("fundus")
+    assert job_settings(preset, tp, JobKey("fundus", "main", "fedavg", 2), "cpu")["data_seed"] == 2
+    assert get_preset("cpu-small").data_seed_for(2) == 0  # the other presets keep one draw of the data

@@ -160,6 +160,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
+            personalization=spec.personalization,
             gamma=float(method.routing_gamma(state)) if spec.method == "fedsm" else 0.6 if spec.gamma == "auto"
             else float(spec.gamma), rounds=method.total_rounds,
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
