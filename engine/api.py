@@ -252,7 +252,8 @@ def benchmark(preset: str, out_dir: Path, *, fresh: bool = False, device: str = 
               cancel: Callable[[], bool] | None = None, **reduce: Any) -> dict[str, Any]:
     """Run or resume ``fedsm bench`` (see :func:`engine.bench.runner.run_benchmark`); return its summary.
 
-    ``reduce`` (``tasks``, ``seeds``, ``methods``, ``main_only``, ``no_analyses``) runs a reduced version of the preset.
+    ``reduce`` (``tasks``, ``seeds``, ``methods``, ``main_only``, ``no_analyses``, ``rules_only``) runs a
+    reduced version of the preset.
     """
     from engine.bench.runner import run_benchmark
 

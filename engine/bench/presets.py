@@ -228,11 +228,13 @@ def get_preset(name: str) -> BenchPreset:
 
 def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
                     main_only: bool = False, methods: tuple[str, ...] | None = None,
-                    no_analyses: bool = False) -> BenchPreset:
+                    no_analyses: bool = False, rules_only: bool = False) -> BenchPreset:
     """A reduced copy of ``preset``: only ``tasks``, main-comparison ``seeds`` and ``methods``; ``main_only``
     also drops the performance figures, the learning-rate tuning and the analyses (lam sweep, unseen
     site, personalization); ``no_analyses`` drops only the analyses (and the BlackFed and FedIOD
-    tables), keeping the speed figures and the learning-rate tuning of the main comparison.
+    tables), keeping the speed figures and the learning-rate tuning of the main comparison;
+    ``rules_only`` keeps the main comparison, its learning-rate tuning and the personalization
+    rules, and drops the speed figures and the other analyses.
 
     The preset keeps its name and every training setting, so the results (and cache entries) are
     the full preset's for the jobs that run.
@@ -261,4 +263,6 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
     if no_analyses:
         out = replace(out, lam_values=(), personalizations=(), unseen_analysis=False, fediod_seeds=(),
                       split_seeds=())
+    if rules_only:
+        out = replace(out, perf=False, lam_values=(), unseen_analysis=False, fediod_seeds=(), split_seeds=())
     return out

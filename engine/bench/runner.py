@@ -106,7 +106,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
                   progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,
                   tasks: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None,
                   main_only: bool = False, methods: tuple[str, ...] | None = None,
-                  no_analyses: bool = False) -> dict[str, Any]:
+                  no_analyses: bool = False, rules_only: bool = False) -> dict[str, Any]:
     """Run (or resume) a benchmark and write its report.
 
     Parameters
@@ -123,7 +123,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
         Also write ``results.md`` and ``img/results/*.png`` there (the repository's ``docs``).
     command
         The command line recorded in the report.
-    tasks, seeds, main_only, methods, no_analyses
+    tasks, seeds, main_only, methods, no_analyses, rules_only
         Run a reduced version (:func:`engine.bench.presets.restrict_preset`).
 
     Returns
@@ -137,7 +137,7 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     from engine.bench.perf import measure_all, perf_settings
     from engine.bench.report import write_report
 
-    preset = restrict_preset(get_preset(preset_name), tasks, seeds, main_only, methods, no_analyses)
+    preset = restrict_preset(get_preset(preset_name), tasks, seeds, main_only, methods, no_analyses, rules_only)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(int(threads), 1))

@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-analyses", action="store_true",
                    help="reduced run: the main comparison with its lr tuning and speed figures, without the lam "
                         "sweep, unseen-site, personalization, BlackFed and FedIOD analyses")
+    p.add_argument("--rules-only", action="store_true",
+                   help="reduced run: the main comparison with its lr tuning and FedSM with every personalization "
+                        "rule, without the speed figures, lam sweep, unseen-site, BlackFed and FedIOD analyses")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-PRESET)")
     p.add_argument("--fresh", action="store_true", help="ignore cached job results and run everything again")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -72,6 +75,8 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
         out["main_only"] = True
     if args.no_analyses:
         out["no_analyses"] = True
+    if args.rules_only:
+        out["rules_only"] = True
     return out
 
 
