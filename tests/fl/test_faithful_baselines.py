@@ -142,3 +142,75 @@ def test_fedsm_extra_defaults_to_half_the_rounds():
     assert SimulationConfig(rounds=100).extra_rounds == 50
     assert SimulationConfig(rounds=5).extra_rounds == 3
     assert MethodSpec("fedsm-extra", "fundus", ("a", "b", "c"), rounds=100).total_rounds == 151
+
+
+def _dice_loss_grads(weights, data, loss_name="dice"):
+    """Gradient of the Dice loss of a U-Net with ``weights`` on all of ``data`` at once (one batch)."""
+    from engine.fl.local_training import segmentation_loss
+    from engine.models import build_segmentation_net
+
+    net = build_segmentation_net(3, 2)
+    net.load_state_dict(weights)
+    net.train()
+    loss = segmentation_loss(loss_name)(net(torch.from_numpy(data.images)), torch.from_numpy(data.masks))
+    params = dict(net.named_parameters())
+    return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+
+def test_per_fedavg_personalized_model_is_one_gradient_step_from_the_meta_model(cfg):
+    """Per-FedAvg's personalized model: ``theta - inner_lr * grad f(theta; site's training data)``."""
+    from engine.fl.personalization import personalized_model
+
+    data = random_split(4, seed=5)  # one batch of 4: the full-data gradient is this batch's
+    meta = _weights(3)["global"]
+    pcfg = PersonalizationConfig(inner_lr=0.05, adapt_steps=1)
+    out = personalized_model("perfedavg", FUNDUS, {"global": _weights(1)["global"], "personal": meta}, data, cfg,
+                             pcfg, {}, 0, _ctx())
+    grads = _dice_loss_grads(meta, data)
+    for name, g in grads.items():
+        assert torch.allclose(out[name], meta[name] - 0.05 * g, atol=1e-6), name
+
+
+def test_finetune_first_step_is_adams_first_step_on_the_global_model(cfg):
+    """Fine-tuning one epoch of one batch: Adam's first step moves each weight by lr against its gradient's sign."""
+    from engine.fl.personalization import personalized_model
+
+    data = random_split(4, seed=6)
+    glob = _weights(2)["global"]
+    out = personalized_model("finetune", FUNDUS, {"global": glob}, data, cfg, PersonalizationConfig(finetune_epochs=1),
+                             {}, 0, _ctx())
+    grads = _dice_loss_grads(glob, data)
+    for name, g in grads.items():
+        clear = g.abs() > 1e-6  # Adam's first step is lr * g / (|g| + eps): the full lr where g is not tiny
+        expected = glob[name] - cfg.lr * torch.sign(g)
+        assert torch.allclose(out[name][clear], expected[clear], atol=0.02 * cfg.lr), name
+
+
+def test_the_guard_judges_an_apfl_super_model_by_the_mixture_the_site_built(tiny_training):
+    """With APFL the last round scores the site's mixture ``alpha v + (1 - alpha) w`` against the global model,
+    and the bundle's guard decides on those numbers."""
+    import numpy as np
+
+    from engine.federation.inprocess import run_rounds
+    from engine.fl.evaluation import dice_per_case, segment_with
+    from engine.fl.methods import FedSM, SiteRuntime
+    from engine.inference.guard import guard_decisions, site_validation_from_state
+
+    sites = [SiteRuntime("a", 0, random_split(4, seed=1), validation=random_split(3, seed=7)),
+             SiteRuntime("b", 1, random_split(4, seed=2, shift=0.4), validation=random_split(3, seed=8, shift=0.4))]
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=2, lam=0.5, personalization="apfl")
+    state, _ = run_rounds(method, sites, method.total_rounds)
+    recorded = site_validation_from_state(state, ["a", "b"])
+    for site in sites:
+        val = site.validation
+        for which, weights in (("personal", state[f"personal/{site.name}"]), ("global", state["global"])):
+            masks = segment_with(FUNDUS, weights, val.images, "cpu")
+            expected = float(np.mean(dice_per_case(masks, val.masks, val.case_ids).mean(axis=1)))
+            assert recorded[site.name][which] == pytest.approx(expected, abs=1e-6)
+        assert recorded[site.name]["cases"] == 3
+    decisions = guard_decisions(["a", "b"], recorded)
+    for decision in decisions:
+        scores = recorded[decision.site]
+        if decision.allowed:
+            assert scores["personal"] > scores["global"]
+        assert decision.site in decision.why
