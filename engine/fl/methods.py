@@ -607,11 +607,12 @@ class FedSM(FederatedMethod):
         """With a rule other than SoftPull: check the personalized model of a last-round answer and
         return the update without it (a training or warm-up answer is returned as it is).
 
-        A last-round answer is one without a global model and not a warm-up answer; with such a
-        rule it must carry the site's personalized model, shaped like the global model.
+        A last-round answer is one without a global model and without the selector's Adam state
+        (which every warm-up answer carries); with such a rule it must carry the site's
+        personalized model, shaped like the global model.
         """
         parts = set(update.weights)
-        if self.softpull or "global" in parts or parts == {"selector", OPTIM_PART}:
+        if self.softpull or "global" in parts or OPTIM_PART in parts:
             return update
         if "personal" not in parts:
             raise ConfigError(f"last-round update from {site} lacks its personalized model (part 'personal'); "

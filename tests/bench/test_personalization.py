@@ -250,3 +250,18 @@ def test_cpu_converged_gives_each_seed_its_own_data_and_runs_every_rule_on_the_m
     tp = preset.task("fundus")
     assert job_settings(preset, tp, JobKey("fundus", "main", "fedavg", 2), "cpu")["data_seed"] == 2
     assert get_preset("cpu-small").data_seed_for(2) == 0  # the other presets keep one draw of the data
+
+
+def test_a_rule_other_than_softpull_trains_after_selector_warmup_rounds_with_the_gate(tiny_training):
+    """Warm-up answers (selector, its Adam state, style sums) are not mistaken for last-round answers."""
+    from engine.federation.inprocess import run_rounds
+    from engine.fl.methods import FedSM, SiteRuntime
+    from engine.tasks import FUNDUS
+
+    sites = [SiteRuntime("a", 0, random_split(4, seed=1), validation=random_split(2, seed=3)),
+             SiteRuntime("b", 1, random_split(4, seed=2, shift=0.4), validation=random_split(2, seed=4, shift=0.4))]
+    method = FedSM(FUNDUS, ["a", "b"], tiny_training, seed=0, rounds=1, lam=0.5, personalization="finetune",
+                   selector_warmup=1, style_gate=0.95)
+    state, records = run_rounds(method, sites, method.total_rounds)
+    assert method.total_rounds == 3 and all(not r.failed for r in records), [r.failed for r in records]
+    assert {"personal/a", "personal/b"} <= set(state)
