@@ -11,7 +11,9 @@ Layout
 The :class:`SplitMetadata` is one JSON string under the safetensors metadata key
 ``"fedsm-split"``; ``server`` says which server net each site uses (``"shared"`` = v1,
 ``"per-site"`` = v2). A bundle built at one site of a network run holds only that site's
-client net. Loading never unpickles anything.
+client net: :func:`site_split_bundle` (``server`` = the server net the coordinator sent that site
+once after the last round; ``extra["assembled_at"]`` names the site). Loading never unpickles
+anything.
 """
 
 from __future__ import annotations
@@ -214,5 +216,21 @@ def split_bundle_from_state(method: Any, state: dict[str, Any], clients: dict[st
     return SplitBundle(meta, dict(clients), dict(state["server"]), table)
 
 
+def site_split_bundle(method: Any, site: str, client: dict[str, torch.Tensor], server: dict[str, torch.Tensor],
+                      image_size: int, extra: dict[str, Any] | None = None) -> SplitBundle:
+    """The bundle one site of a network run assembles: its own client net and the server net it was sent.
+
+    ``server`` is the server net this site segments with (v1: the last ``g``; v2: the copy stored
+    after this site's turn), so the bundle holds no table: :meth:`SplitBundle.server_for` gives
+    ``server`` for the one site either way.
+    """
+    task = method.task
+    meta = SplitMetadata(task=task.name, label_names=list(task.label_names), in_channels=task.in_channels,
+                         image_size=int(image_size), normalisation=task.normalisation, method=method.name,
+                         server="per-site" if method.variant == "v2" else "shared", channels=method.config.channels,
+                         site_names=[site], extra={"assembled_at": site, **dict(extra or {})})
+    return SplitBundle(meta, {site: dict(client)}, dict(server))
+
+
 __all__ = ["SplitBundle", "SplitMetadata", "is_split_bundle", "load_split_bundle", "read_split_metadata",
-           "save_split_bundle", "split_bundle_from_state"]
+           "save_split_bundle", "site_split_bundle", "split_bundle_from_state"]

@@ -380,6 +380,32 @@ class BlackFed(ExchangeMethod):
         servers = [self.server_for(state, s.name) for s in sites]
         return split_segmenter(self.task, self.config.channels, clients, servers, device)
 
+    # --- the end of a network run: each site's bundle ------------------------------------------
+    #: What the coordinator sends each site once, after the last round (the only weights it ever sends).
+    FINAL_CONTENTS: ClassVar[dict[str, str]] = {
+        "server": "the coordinator's server net g that this site segments with (v2: the copy stored after its "
+                  "turn), sent once after the last round so the site can assemble its bundle",
+    }
+
+    def final_models(self, state: WeightSet, site: str) -> dict[str, dict[str, torch.Tensor]]:
+        """Server half, after the last round: what ``site`` receives to assemble its bundle (its server net)."""
+        return {"server": dict(self.server_for(state, site))}
+
+    def site_bundle(self, received: Mapping[str, Mapping[str, torch.Tensor]], site: SiteRuntime, image_size: int,
+                    extra: Mapping[str, Any] | None = None) -> Any:
+        """Site half: the site's split bundle (its client net with the server net it received).
+
+        ``received`` holds the :attr:`FINAL_CONTENTS` parts (the transport checked their names and that
+        they are finite); a server net of another shape raises :class:`WeightsError`.
+        """
+        from engine.bundle.split import site_split_bundle
+
+        server = _fitted(received["server"], self.server_net(), "the server net the coordinator sent")
+        client = self.client_weights(site)
+        self.client_net(client)  # a client net that does not fit raises here, before anything is written
+        return site_split_bundle(self, site.name, client, server, image_size or self.config.image_size,
+                                 {"trained_client_net": CLIENT_KEY in site.state, **dict(extra or {})})
+
     def report_extra(self, state: WeightSet, sites: list[SiteRuntime]) -> dict[str, Any]:
         """Client FLOPs, the settings and the split bundle (the simulation adds local/OOD Dice)."""
         from engine.bundle.split import split_bundle_from_state
@@ -393,6 +419,16 @@ class BlackFed(ExchangeMethod):
             "config": {f.name: getattr(self.config, f.name) for f in fields(self.config)},
             "bundle": split_bundle_from_state(self, state, clients, size),
         }
+
+
+def _fitted(weights: Mapping[str, torch.Tensor], net: torch.nn.Module, what: str) -> dict[str, torch.Tensor]:
+    """``weights`` as a dict once they load strictly into ``net`` (:class:`WeightsError` otherwise)."""
+    out = dict(weights)
+    try:
+        net.load_state_dict(out)
+    except RuntimeError as exc:
+        raise WeightsError(f"{what} does not fit this run's network ({str(exc).splitlines()[0]})") from None
+    return out
 
 
 def build_blackfed(name: str, task: TaskSpec, site_names: list[str], settings: Mapping[str, Any]) -> BlackFed:

@@ -401,6 +401,43 @@ class FedIOD(ExchangeMethod):
                        "distillation_steps": self.config.steps * self.rounds, **dict(extra or {})})
 
 
+    # --- the end of a network run: the student at every site ---------------------------------
+    #: What the coordinator sends each site once, after the last round.
+    FINAL_CONTENTS: ClassVar[dict[str, str]] = {
+        "student": "the distilled student U-Net (the run's result), sent once after the last round",
+    }
+
+    def final_models(self, state: WeightSet, site: str) -> dict[str, dict[str, torch.Tensor]]:
+        """Server half, after the last round: what ``site`` receives (the student, the same for every site)."""
+        return {"student": state["student"]}
+
+    def site_bundle(self, received: Mapping[str, Mapping[str, torch.Tensor]], site: SiteRuntime, image_size: int,
+                    extra: Mapping[str, Any] | None = None) -> SuperModelBundle:
+        """Site half: the received student as a single-model bundle, with the privacy this site spent.
+
+        ``received`` holds the :attr:`FINAL_CONTENTS` parts (the transport checked their names and that
+        they are finite); a student of another shape raises :class:`WeightsError`. The bundle records
+        only this site's own epsilon (the coordinator sends no other site's privacy figures).
+        """
+        from engine.bundle.single import single_model_bundle
+
+        student = dict(received["student"])
+        try:
+            self._student().load_state_dict(student)
+        except RuntimeError as exc:
+            raise WeightsError(f"the student the coordinator sent does not fit this run's U-Net "
+                               f"({str(exc).splitlines()[0]})") from None
+        spent: dict[str, Any] = {}
+        state = site.state.get(STATE_KEY)
+        if isinstance(state, SiteState):
+            spent = {"epsilon": {site.name: _finite_or_none(state.epsilon)}, "releases": {site.name: state.releases},
+                     "noise_multiplier": {site.name: state.noise_multiplier}}
+        return single_model_bundle(
+            self.task.name, "fediod", student, self.site_names, image_size or self.config.image_size, self.rounds,
+            None, {"distilled": True, "assembled_at": site.name, "distillation_steps": self.config.steps * self.rounds,
+                   **spent, **dict(extra or {})})
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 

@@ -93,6 +93,87 @@ def site_toml(setup: SiteSetup) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Form fields that decide what a run may take from this site: where ``site.toml`` keeps each one.
+_CONSENT_KEYS = {"share_activations": ("site", "share_activations"), "dp_epsilon": ("privacy", "epsilon")}
+
+
+def _toml_value(literal: str) -> Any:
+    import tomllib
+
+    return tomllib.loads(f"v = {literal}")["v"]
+
+
+def consent_literals(setup: SiteSetup) -> dict[tuple[str, str], str | None]:
+    """The form's consent settings as TOML literals by ``(table, key)`` (``None``: the key is absent).
+
+    ``share_activations``: BlackFed may send activations and masks; ``[privacy] epsilon``: the
+    budget FedIOD's released gradients get at this site (a non-number is written as a string,
+    which the site refuses with a clear message).
+    """
+    epsilon = setup.dp_epsilon.strip()
+    if epsilon:
+        try:
+            eps_literal: str | None = repr(float(epsilon))
+        except ValueError:
+            eps_literal = json.dumps(epsilon)
+    else:
+        eps_literal = None
+    return {_CONSENT_KEYS["share_activations"]: "true" if setup.share_activations else "false",
+            _CONSENT_KEYS["dp_epsilon"]: eps_literal}
+
+
+def update_toml_keys(text: str, values: dict[tuple[str, str], str | None]) -> str:
+    """``text`` with ``key = literal`` set in ``[table]`` for each ``(table, key)`` (removed for ``None``).
+
+    Every other line (comments, ``[bounds]``, keys the form does not show) stays as it was. A
+    table that does not exist yet is appended. The result is parsed again and must hold exactly
+    the requested values, else :class:`ValueError` (edit the file by hand then).
+    """
+    import re
+    import tomllib
+
+    lines = text.splitlines()
+    header = re.compile(r"^\s*\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
+    pending = dict(values)
+    table = ""
+    out: list[str] = []
+    starts: dict[str, int] = {}  # table -> index in ``out`` just after its header
+    for line in lines:
+        match = header.match(line)
+        if match:
+            table = match.group(1)
+            out.append(line)
+            starts.setdefault(table, len(out))
+            continue
+        key_match = re.match(r"^\s*([A-Za-z0-9_-]+)\s*=", line)
+        if key_match and (table, key_match.group(1)) in pending:
+            literal = pending.pop((table, key_match.group(1)))
+            if literal is not None:
+                out.append(f"{key_match.group(1)} = {literal}")
+            continue
+        out.append(line)
+    for (tbl, key), literal in list(pending.items()):
+        if literal is None:
+            continue
+        if tbl in starts:
+            at = starts[tbl]
+            out.insert(at, f"{key} = {literal}")
+            starts = {t: i + (1 if i >= at and t != tbl else 0) for t, i in starts.items()}
+        else:
+            out += ["", f"[{tbl}]", f"{key} = {literal}"]
+            starts[tbl] = len(out) - 1
+    new = "\n".join(out) + "\n"
+    try:
+        doc = tomllib.loads(new)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"the file would not stay valid TOML ({exc}); edit it by hand") from None
+    for (tbl, key), literal in values.items():
+        got = doc.get(tbl, {}).get(key) if isinstance(doc.get(tbl), dict) else None
+        if got != (None if literal is None else _toml_value(literal)):
+            raise ValueError(f"could not set [{tbl}] {key} (it may be written in another form); edit the file by hand")
+    return new
+
+
 def write_text_file(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically (a temporary file renamed into place)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,6 +265,10 @@ class FederationController:
             raise ValueError(f"unknown site setup field {field!r}")
         if field == "share_activations":
             self.state.setup.share_activations = value == "true"
+            if not self.demo:  # the consent dialog promises it is saved in site.toml: it is, at once
+                written = self.sync_consent()
+                if written:
+                    self.state.note(written)
             return
         setattr(self.state.setup, field, value)
         if field == "config_path":
@@ -233,6 +318,42 @@ class FederationController:
         self.tasks.submit(lambda progress, cancel: self.api.validate_data([Path(datalist)], task=task), on_done=done,
                           on_error=lambda exc: self.view.set_check_results([], f"Check failed: {user_message(exc)}"))
 
+    def sync_consent(self) -> str | None:
+        """Write the form's consent settings into the loaded ``site.toml`` where it differs.
+
+        Returns what was written (a log line; ``""`` when the file already held them), or ``None``
+        when the file could not be updated (``state.error`` says why).
+
+        The site process reads its settings from that file, not from the form: a BlackFed consent
+        or a FedIOD epsilon given in the app and not saved would otherwise be ignored at Join
+        (the site refusing every split-learning exchange, or releasing gradients without the
+        asked-for noise). Only those keys change; the rest of the file stays as written.
+        """
+        import tomllib
+
+        path = Path(self.state.setup.config_path)
+        if not path.is_file():
+            return ""  # nothing to update: the site process names the missing file itself
+        try:
+            text = path.read_text(encoding="utf-8")
+            doc = tomllib.loads(text)
+            wanted = consent_literals(self.state.setup)
+            changes = {}
+            for (table, key), literal in wanted.items():
+                section = doc.get(table, {}) if isinstance(doc.get(table), dict) else {}
+                current = section.get(key, False if key == "share_activations" else None)
+                if current != (None if literal is None else _toml_value(literal)):
+                    changes[(table, key)] = literal
+            if not changes:
+                return ""
+            write_text_file(path, update_toml_keys(text, changes))
+        except (OSError, ValueError, tomllib.TOMLDecodeError) as exc:
+            self.state.error = f"cannot save the consent settings to {path}: {exc}"
+            self.state.changed.emit({STATUS})
+            return None
+        said = ", ".join(f"[{t}] {k} = {v if v is not None else '(removed)'}" for (t, k), v in changes.items())
+        return f"{path.name}: wrote {said} (as set in the app)"
+
     # --- join / leave --------------------------------------------------------------------
     def command(self) -> list[str]:
         """The site process's command line."""
@@ -248,6 +369,9 @@ class FederationController:
         """Start the site process (no-op while one runs)."""
         if self.process.running:
             return
+        written = "" if self.demo else self.sync_consent()
+        if written is None:
+            return  # the site would not run with what the operator agreed to; the error says why
         try:
             argv = self.command()
         except Exception as exc:  # any failure to build the command is shown, not raised
@@ -256,6 +380,8 @@ class FederationController:
             return
         self._log_pushed = 0
         self.state.starting(argv)
+        if written:
+            self.state.note(written)
 
         def exited(code: int, stopped: bool) -> None:
             self.state.process_ended(code, stopped)
@@ -295,6 +421,8 @@ class FederationController:
                 text += f" (reconnected {s.reconnects}×)"
             if s.error:
                 text += f" — {s.error}"
+            if s.bundle:  # a BlackFed or FedIOD run ended with this site's own bundle
+                text += f" — bundle: {s.bundle}"
             self.view.set_status(s.status, text, s.running or self.process.running)
         if PROGRESS in parts or STATUS in parts:
             self.view.set_progress(s.round, s.rounds, s.batch, s.batches)

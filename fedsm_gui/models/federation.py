@@ -163,6 +163,8 @@ class FederationState:
         self.log_total = 0  # lines ever logged, so a view can append only the new ones
         self.reconnects = 0
         self.run_complete = False  # the site has sent its answer of the last round
+        #: the bundle the site wrote at the end of a BlackFed or FedIOD run (its path), else ""
+        self.bundle = ""
 
     @property
     def running(self) -> bool:
@@ -279,6 +281,9 @@ class FederationState:
                 self.awaiting_confirmation = {"settings": self.run_settings,
                                               "bounds": dict(event.get("bounds", {}) or {})}
                 parts.add(CONFIRM)
+        elif kind == "status" and event.get("bundle"):  # a dialogue run's end: the site wrote its bundle
+            self.bundle = str(event["bundle"])
+            parts.add(STATUS)
         elif kind == "finished":
             self.status = FINISHED
             self.rounds = int(event.get("rounds", self.rounds) or self.rounds)

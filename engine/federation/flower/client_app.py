@@ -10,7 +10,9 @@ without its details, which stay in the site's own log).
 
 ``query`` messages: ``identify`` (insecure mode: the site tells its name), ``evaluate`` (the final
 models' Dice on the site's validation and testing images, numbers only; see
-:mod:`engine.federation.flower.final_evaluation`) and ``finished`` (the run is over).
+:mod:`engine.federation.flower.final_evaluation`), ``final_model`` (a dialogue method's final
+models, from which the site writes its bundle; :func:`engine.federation.flower.dialogue.receive_final`)
+and ``finished`` (the run is over).
 """
 
 from __future__ import annotations
@@ -193,6 +195,10 @@ class SiteWorker:
             from engine.federation.flower.final_evaluation import evaluate_at_site
 
             return evaluate_at_site(self, content)
+        if action == "final_model":  # a dialogue method's end: assemble this site's bundle (dialogue.py)
+            from engine.federation.flower.dialogue import receive_final
+
+            return receive_final(self, content)
         if action == "finished":
             self.finished = True
             self.events.emit("finished", rounds=int(info.get("rounds", 0)))

@@ -23,6 +23,16 @@ Reply (site -> coordinator)::
     "weights:reply"     ArrayRecord    the reply's tensors (absent when it has none)
     "layout"            ConfigRecord
 
+After the last round, a method that declares ``FINAL_CONTENTS`` (BlackFed: the server net the site
+segments with; FedIOD: the student) sends each connected site those weights ONCE, in a ``query``
+message with action ``final_model`` (:meth:`DialogueRunner.deliver_final`, records as a ``train``
+instruction's). The site checks them (declared parts only, finite, the run's shapes), assembles its
+bundle (BlackFed: its own client net with that server net; FedIOD: the student) and writes it
+atomically into its work folder (:func:`receive_final`): a ``received`` event (``final: true``) in
+its ledger with the bytes and what each part is, a ``status`` event with the bundle's path
+(``bundle``), and an empty ``sent`` acknowledgement (``final: true``). These are the only weights
+the coordinator of a dialogue method ever sends.
+
 Every exchange is a round trip through the SuperLink (the site's SuperNode polls for it), so a
 dialogue method's wall time is dominated by ``exchanges x round-trip`` over the network; see
 ``docs/federation.md``.
@@ -52,6 +62,8 @@ log = logging.getLogger(__name__)
 
 #: Flower message type of one exchange (a ``train`` category with its own action).
 EXCHANGE = "train.exchange"
+#: ``query`` action of the end-of-run message that carries a dialogue method's final models to a site.
+FINAL_ACTION = "final_model"
 REQUEST_PART = "request"
 REPLY_PART = "reply"
 
@@ -164,6 +176,77 @@ class DialogueRunner(FederationRunner):
     """
 
     method: ExchangeMethod  # type: ignore[assignment]
+
+    #: After :meth:`run`: per site, what the end-of-run message delivered (``bytes``, ``parts``) or why not.
+    final_delivery: dict[str, dict[str, Any]]
+
+    def run(self, grid: Grid, resume: Checkpoint | None = None) -> WeightSet:
+        """The method's rounds, then each connected site's final models (:meth:`deliver_final`)."""
+        state = super().run(grid, resume)
+        self.final_delivery = self.deliver_final(grid, state)
+        return state
+
+    def deliver_final(self, grid: Grid, state: WeightSet) -> dict[str, dict[str, Any]]:
+        """Send every connected site the method's ``final_models`` once (``query``, action ``final_model``).
+
+        A site that is offline, does not answer within ``round_timeout`` or answers with an error
+        gets no bundle (an ``error`` event says why); the run's result does not depend on it.
+        """
+        from flwr.app import Message
+
+        from engine.federation.flower.server_app import QUERY
+        from engine.fl.methods import SiteInstructions
+
+        final_models = getattr(self.method, "final_models", None)
+        declared = getattr(self.method, "FINAL_CONTENTS", {})
+        if final_models is None or not declared:
+            return {}
+        total = self.method.total_rounds
+        online = self.online_sites(grid)
+        outcome: dict[str, dict[str, Any]] = {site: {"delivered": False, "reason": "not connected"}
+                                              for site in self.sites if site not in online}
+        messages: dict[str, Message] = {}
+        for site in self.sites:
+            if site not in online:
+                continue
+            parts = final_models(state, site)
+            self._check_final_parts(parts)
+            content = records.encode_instructions(SiteInstructions(total, parts, {"phase": FINAL_ACTION}),
+                                                  rounds=total, method=self.method.name, spec_json=self.spec_json,
+                                                  session=self.session, site=site)
+            content.config_records[records.INFO]["action"] = FINAL_ACTION
+            size = records.record_bytes(content)
+            outcome[site] = {"delivered": False, "bytes": size, "parts": sorted(parts)}
+            messages[site] = Message(content, dst_node_id=online[site], message_type=QUERY, group_id=str(total),
+                                     ttl=self.settings.round_timeout)
+            self.events.emit("sent", site=site, round=total, rounds=total, method=self.method.name, bytes=size,
+                             final=True, contents=records.record_contents(content))
+        if not messages:
+            return outcome
+        self.events.status(f"sending the final models ({', '.join(sorted(declared))}) to {len(messages)} site(s) "
+                           "once; each assembles its own bundle")
+
+        def on_reply(site: str, reply: Message) -> None:
+            if reply.has_error():
+                outcome[site]["reason"] = f"the site answered with an error: {reply.error.reason}"
+                self.events.error(f"no bundle at the site: {outcome[site]['reason']}", site=site, round=total)
+            else:
+                outcome[site]["delivered"] = True
+
+        _, missing = exchange(grid, messages, self.settings.round_timeout, self.settings.poll_interval,
+                              self._check_cancel_flag, on_reply)
+        for site, reason in missing.items():
+            outcome[site]["reason"] = reason
+            self.events.error(f"no bundle at the site: the final models were not acknowledged ({reason})", site=site,
+                              round=total)
+        return {site: outcome[site] for site in self.sites if site in outcome}
+
+    def _check_final_parts(self, parts: dict[str, Any]) -> None:
+        """The coordinator sends only the parts the method declares in ``FINAL_CONTENTS``."""
+        declared = getattr(self.method, "FINAL_CONTENTS", {})
+        if sorted(parts) != sorted(declared):
+            raise FedSMError(f"{self.method.name}: final models {sorted(parts)} differ from the declared "
+                             f"{sorted(declared)}")
 
     def _round(self, grid: Grid, state: WeightSet, rnd: int, writer: CheckpointWriter) -> WeightSet:
         from engine.fl.exchange import Failure, tensor_bytes
@@ -367,8 +450,95 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     return out
 
 
+def site_bundle_path(work_dir: Any, method: str, session: str) -> Any:
+    """Where a site writes the bundle of a dialogue run: ``<work_dir>/models/<method>-<session[:12]>.safetensors``."""
+    from pathlib import Path
+
+    from engine.bundle import check_site_name
+
+    check_site_name(session)  # a session id names a file: letters, digits, '-', '_' only
+    return Path(work_dir) / "models" / f"{method}-{session[:12]}.safetensors"
+
+
+def receive_final(worker: Any, content: RecordDict) -> RecordDict:
+    """Site half of the end-of-run message: check the final models, assemble and write this site's bundle.
+
+    The message must be addressed to this site, carry the run's signed settings, and hold exactly
+    the method's ``FINAL_CONTENTS`` parts, finite, in the run's shapes; anything else is refused
+    with an error reply and nothing is written. The bundle is written atomically (temporary file,
+    then rename) to :func:`site_bundle_path`; the ``received`` event puts the message in the site's
+    ledger, a ``status`` event carries the path (``bundle``), and the acknowledgement (no tensor,
+    no metric) is a ``sent`` event of 0 bytes.
+    """
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    from engine.federation.flower.client_app import PendingReport
+    from engine.fl.exchange import ExchangeMethod
+    from engine.fl.methods import SiteRuntime
+    from engine.fl.weights import all_finite
+
+    ins = records.decode_instructions(content)
+    if ins.site != worker.cfg.name:
+        raise ConfigError(f"the coordinator addressed its final models to site {ins.site!r}, but this is "
+                          f"{worker.cfg.name!r}")
+    if worker.signed_spec is not None and ins.spec_json != worker.signed_spec:
+        raise ConfigError("the final message's run settings differ from the ones the coordinator signed for this "
+                          "run; refusing it")
+    method, spec = worker.method(ins.spec_json)
+    declared = getattr(method, "FINAL_CONTENTS", {})
+    if not isinstance(method, ExchangeMethod) or not declared:
+        raise ConfigError(f"method {spec.method!r} sends no final models; the coordinator sent some")
+    received = ins.instructions.weights
+    if sorted(received) != sorted(declared):
+        raise WeightsError(f"the coordinator's final models hold {sorted(received)}; {spec.method} declares "
+                           f"{sorted(declared)}; refusing them")
+    for part, weights in received.items():
+        if not all(all_finite(t) for t in weights.values() if t.dtype.is_floating_point):
+            raise WeightsError(f"the coordinator's final {part} holds NaN or Inf; refusing it")
+    size = records.record_bytes(content)
+    # ``final`` rather than an exchange's ``action``: the one message of the run that carries weights to the site
+    worker.events.emit("received", round=ins.round, rounds=ins.rounds, method=ins.method, bytes=size, final=True,
+                       contents={"tensors": {k: declared[k] for k in received}})
+    runtimes: dict[tuple[str, str], SiteRuntime] = worker.__dict__.setdefault("_dialogue_runtimes", {})
+    runtime = runtimes.get((ins.session, ins.spec_json))
+    if runtime is None:  # the site restarted since its last answer: its private state from disk
+        data = worker.data(spec.task, spec.image_size)
+        runtime = SiteRuntime(worker.cfg.name, spec.site_names.index(worker.cfg.name), data.train,
+                              load_site_state_before(worker.state_dir, ins.session, ins.rounds + 1),
+                              validation=data.validation)
+    bundle = method.site_bundle(received, runtime, spec.image_size,
+                                {"session": ins.session, "seed": spec.seed, "trained_by": "fedsm site",
+                                 "rounds": ins.rounds})
+    path = site_bundle_path(worker.cfg.work_dir, spec.method, ins.session)
+    digest = _save_any_bundle(path, bundle)
+    worker.events.status(f"{spec.method} bundle written to {path} (open it in the app or with 'fedsm infer "
+                         f"--model {path}" + (f" --site {worker.cfg.name}'" if hasattr(bundle, "clients") else "'")
+                         + ")", bundle=str(path), sha256=digest, method=spec.method, round=ins.rounds)
+    out = RecordDict({records.INFO: ConfigRecord({"site": worker.cfg.name, "round": int(ins.rounds)}),
+                      records.METRICS: MetricRecord({})})
+
+    def report() -> None:
+        worker.events.emit("sent", round=ins.rounds, bytes=records.record_bytes(out), final=True,
+                           contents={"tensors": {}, "metrics": []})
+
+    worker.after_reply = PendingReport(report)
+    return out
+
+
+def _save_any_bundle(path: Any, bundle: Any) -> str:
+    """Write a split bundle or a (single-model) super-model bundle atomically; its SHA-256."""
+    from engine.bundle import save_bundle
+    from engine.bundle.split import SplitBundle, save_split_bundle
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(bundle, SplitBundle):
+        return save_split_bundle(path, bundle)
+    return save_bundle(path, bundle)
+
+
 __all__ = [
     "EXCHANGE",
+    "FINAL_ACTION",
     "DialogueRunner",
     "answer_exchange",
     "decode_reply",
@@ -376,4 +546,6 @@ __all__ = [
     "dialogue_reply_limit",
     "encode_reply",
     "encode_request",
+    "receive_final",
+    "site_bundle_path",
 ]

@@ -15,6 +15,8 @@ Work folder (``[federation] work_dir``)::
     superlink.log            the SuperLink's output
     supermodel.safetensors   FedSM / FedSM-extra: the super model (after the last round)
     global.safetensors       FedAvg, FedProx, Scaffold: the global model
+    server.safetensors       dialogue methods (BlackFed, FedIOD): the coordinator's state
+    student.safetensors      FedIOD: the distilled student (single-model bundle; each site gets a copy)
     summary.json             rounds: who answered, who was left out and why, bytes, times
 """
 
@@ -134,11 +136,13 @@ def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str 
 
 def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], history: list[dict[str, Any]],
                   session: str, app_hash: str,
-                  site_dice: dict[str, dict[str, dict[str, float]]] | None = None) -> dict[str, Any]:
+                  site_dice: dict[str, dict[str, dict[str, float]]] | None = None,
+                  final_models: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Write the trained models and ``summary.json``; return the summary.
 
     ``site_dice`` (``{site: {split: {model: Dice}}}``, the sites' final evaluation) fills the bundle's
-    ``val_dice`` and ``extra["site_dice"]``.
+    ``val_dice`` and ``extra["site_dice"]``. ``final_models`` (dialogue methods): per site, whether
+    the end-of-run message with its final models was delivered, its bytes and parts (``summary.json``).
     """
     from engine.federation.checkpoint import save_weightset
     from engine.federation.flower.final_evaluation import bundle_val_dice
@@ -177,10 +181,19 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
         save_bundle(cfg.work_dir / "supermodel.safetensors", bundle)
         files["supermodel"] = "supermodel.safetensors"
     elif spec.method in EXCHANGE_METHODS:
-        # a dialogue method (BlackFed): the coordinator's own networks; sites keep theirs
+        # a dialogue method: the coordinator's own networks (BlackFed's server nets; sites keep their client
+        # nets and assemble their bundles from the final message, dialogue.receive_final)
         save_weightset(cfg.work_dir / "server.safetensors", state,
                        {"format": "fedsm-server-state", "method": spec.method, "session": session})
         files["server"] = "server.safetensors"
+        make_bundle = getattr(method, "bundle", None)
+        if make_bundle is not None:  # FedIOD: the distilled student, a single-model bundle fedsm infer opens
+            from engine.bundle import save_bundle
+
+            save_bundle(cfg.work_dir / "student.safetensors",
+                        make_bundle(state, {"seed": spec.seed, "session": session, "app_hash": app_hash,
+                                            "trained_by": "fedsm server"}))
+            files["student"] = "student.safetensors"
     elif "global" in state:
         # a single-model bundle, so fedsm infer / evaluate and the desktop app open it like a super model
         from engine.bundle import save_bundle
@@ -196,6 +209,8 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
         files["global"] = "global.safetensors"
     summary = {"method": spec.method, "spec": json.loads(spec.to_json()), "session": session, "app_hash": app_hash,
                "rounds": history, "files": files, "site_dice": site_dice or {}}
+    if final_models is not None:
+        summary["final_models"] = final_models
     write_text_atomic(cfg.work_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -346,7 +361,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         except httpx.TransportError as exc:
             raise lost_superlink(exc, superlink, cfg, grid.give_up_after) from None
         summary = write_results(cfg, method, result["state"], runner.history, session, app.hash,
-                                result.get("site_dice"))
+                                result.get("site_dice"), getattr(runner, "final_delivery", None))
         status, details = "completed", ""
         return summary
     finally:
