@@ -1,11 +1,17 @@
-"""The desktop app's embedded demo: synthetic sites, a demo super model and a demo study, cached.
+"""The desktop app's embedded demo: a shipped demo super model and photo, retrainable, cached.
 
-On first use :func:`prepare_demo` trains a small FedSM super model with a short in-process
-federation of synthetic fundus sites (:func:`engine.simulate.run_simulation`, the same code as
-``fedsm simulate``), then renders a demo photo from one site's acquisition profile at a higher
-resolution with its ground-truth label map. Everything is written under ``cache_dir``; the
-manifest ``demo.json`` is written last, so an interrupted preparation is never mistaken for a
-finished one and simply starts again.
+The repository ships a small trained demo (``resources/fedsm_demo``, installed as the package
+data of ``fedsm_demo``): a FedSM super model trained with :class:`DemoSettings` on synthetic fundus
+sites, a demo photo the federation recognises and the photo's ground truth. :func:`prepare_demo`
+returns it at once, so the app shows the demo without training anything.
+
+Training stays available (:func:`prepare_demo` with ``retrain=True``, the app's *Retrain the demo*
+action): it writes the synthetic sites, trains the super model with a short in-process federation
+(:func:`engine.simulate.run_simulation`, the same code as ``fedsm simulate``), measures its
+validation Dice and chooses the demo photo, all under ``cache_dir``; the manifest ``demo.json`` is
+written last, so an interrupted preparation is never mistaken for a finished one. A retrained demo
+in ``cache_dir`` is used before the shipped one. :func:`build_shipped_demo` (run by
+``benchmarks/build_demo_bundle.py``) trains the same way and writes the shipped files.
 """
 
 from __future__ import annotations
@@ -24,9 +30,17 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[dict[str, Any]], None]
 MANIFEST = "demo.json"
 #: Bumped when what the demo contains changes, so old caches are rebuilt.
-DEMO_VERSION = 3
+DEMO_VERSION = 4
+#: The package whose data is the shipped demo (the repository's ``resources/fedsm_demo``).
+SHIPPED_PACKAGE = "fedsm_demo"
+#: The command that writes the shipped demo (named in docs/gui.md#demo and in its manifest).
+BUILD_COMMAND = "python benchmarks/build_demo_bundle.py"
+#: File names of the shipped demo inside :data:`SHIPPED_PACKAGE`.
+SHIPPED_BUNDLE = "demo_fundus.safetensors"
 #: Random stream tag of the demo study: apart from every case the generator writes.
 _DEMO_STREAM = 99
+#: Candidate demo photos drawn (in this order) when choosing one the federation recognises.
+STUDY_CANDIDATES = 8
 #: Validation Dice the demo super model should reach at every site (cleaned masks), so that what
 #: the demo shows a clinician is a credible segmentation rather than a disc-sized cup.
 TARGET_DICE = {"disc": 0.85, "cup": 0.6}
@@ -34,7 +48,7 @@ TARGET_DICE = {"disc": 0.85, "cup": 0.6}
 
 @dataclass(frozen=True)
 class DemoSettings:
-    """How the demo super model is trained and the demo study rendered.
+    """How the demo super model is trained and the demo photo drawn.
 
     The defaults (four times the synthetic cases of the paper-like site table, 10 rounds of 8
     local epochs at lr 3e-3) train in about 150 CPU seconds; measured validation Dice and time in
@@ -53,8 +67,15 @@ class DemoSettings:
     loss: str = "dice"
     lr: float = 3e-3
     lr_schedule: str = "constant"
-    study_site: int = 2
-    study_size: int = 512
+    #: The site whose acquisition profile draws the demo photo. Site 3 holds the most cases, and its
+    #: personalized model beats the global one on its validation data by far more than the noise, so
+    #: the routing guard lets its photos through: the demo shows FedSM routing a photo to its own
+    #: site's model (sites 1 and 2's models tie with the global one; their photos go to global).
+    study_site: int = 3
+    #: Side of every synthetic photo, the sites' and the demo's: the networks see them all resized
+    #: to ``image_size`` the same way, so the demo photo has the statistics of its site's photos
+    #: (a photo drawn larger than the sites' looks, once resized, unlike every site to the style gate).
+    photo_size: int = 256
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +83,8 @@ class DemoSettings:
             raise ConfigError(f"the demo is a fundus federation; task {self.task!r} is not offered")
         if not 1 <= self.study_site <= self.sites:
             raise ConfigError(f"study_site must be one of the {self.sites} sites, got {self.study_site}")
+        if self.photo_size < self.image_size:
+            raise ConfigError(f"photo_size ({self.photo_size}) must be at least image_size ({self.image_size})")
 
 
 def _file_sha256(path: Path) -> str:
@@ -74,30 +97,72 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _cached(cache_dir: Path, settings: DemoSettings) -> dict[str, Any] | None:
-    """The manifest of a complete earlier preparation with the same settings, else ``None``."""
+def _read_manifest(folder: Path, settings: DemoSettings, files: tuple[str, ...]) -> dict[str, Any] | None:
+    """``folder``'s manifest when it describes a complete demo with these settings, else ``None``."""
     try:
-        manifest = json.loads((cache_dir / MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if manifest.get("version") != DEMO_VERSION or manifest.get("settings") != asdict(settings):
+    if not isinstance(manifest, dict) or manifest.get("version") != DEMO_VERSION \
+            or manifest.get("settings") != asdict(settings):
         return None
-    paths = _paths(cache_dir, manifest)
-    if not all(Path(paths[k]).is_file() for k in ("bundle", "study", "reference")):
+    names = manifest.get("files")
+    if not isinstance(names, dict) or not all(isinstance(names.get(k), str) and (folder / names[k]).is_file()
+                                               for k in files):
         return None
-    if _file_sha256(Path(paths["bundle"])) != manifest.get("bundle_sha256"):
-        log.warning("demo super model in %s does not match its manifest; training it again", cache_dir)
+    if _file_sha256(folder / names["bundle"]) != manifest.get("bundle_sha256"):
+        log.warning("demo super model in %s does not match its manifest; not using it", folder)
         return None
-    return paths
+    return manifest
 
 
-def _paths(cache_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: str(cache_dir / v) for k, v in manifest["files"].items()}
+def _cached(cache_dir: Path, settings: DemoSettings) -> dict[str, Any] | None:
+    """The files of a complete earlier (re)training with the same settings, else ``None``."""
+    manifest = _read_manifest(cache_dir, settings, ("bundle", "study", "reference"))
+    return None if manifest is None else _paths(cache_dir, cache_dir, manifest, "cache")
+
+
+def shipped_demo_dir() -> Path | None:
+    """Folder of the shipped demo: the installed ``fedsm_demo`` package's, else the source tree's.
+
+    The second place serves a checkout run without installing and an editable install made
+    before the package existed (``resources/fedsm_demo`` beside ``engine/``).
+    """
+    from importlib import resources
+
+    try:
+        root = resources.files(SHIPPED_PACKAGE)
+    except ModuleNotFoundError:
+        root = None
+    if isinstance(root, Path) and (root / MANIFEST).is_file():
+        return root
+    source = Path(__file__).resolve().parents[1] / "resources" / SHIPPED_PACKAGE
+    return source if (source / MANIFEST).is_file() else None
+
+
+def shipped_demo(cache_dir: Path, settings: DemoSettings | None = None) -> dict[str, Any] | None:
+    """The shipped demo's files when it was trained with ``settings`` (default: the defaults), else ``None``.
+
+    ``cache_dir`` is where the demo site's working folder goes; the shipped files are read in place.
+    """
+    cfg = settings or DemoSettings()
+    folder = shipped_demo_dir()
+    if folder is None:
+        return None
+    manifest = _read_manifest(folder, cfg, ("bundle", "study", "reference"))
+    return None if manifest is None else _paths(folder, Path(cache_dir), manifest, "shipped")
+
+
+def _paths(root: Path, cache_dir: Path, manifest: dict[str, Any], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {k: str(root / v) for k, v in manifest["files"].items()}
+    out.setdefault("data_dir", None)
     out["cache_dir"] = str(cache_dir)
     out["site_workdir"] = str(cache_dir / "site")
     out["bundle_sha256"] = manifest["bundle_sha256"]
     out["validation_dice"] = manifest.get("validation_dice", {})
-    out["trained"] = False
+    out["study_routing"] = manifest.get("study_routing", {})
+    out["source"] = source
+    out["trained"] = source == "trained"
     return out
 
 
@@ -105,28 +170,65 @@ def _demo_sites(data_dir: Path, cfg: DemoSettings) -> list[Path]:
     """The demo's synthetic sites' datalists: reused when complete and matching, else written."""
     from engine.data.synth import existing_federation, generate_federation
 
-    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.image_size, cfg.seed, cases_scale=cfg.cases_scale)
+    found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.photo_size, cfg.seed, cases_scale=cfg.cases_scale)
     if found is not None:
         return found
-    return generate_federation(cfg.task, cfg.sites, data_dir, image_size=cfg.image_size, seed=cfg.seed,
+    return generate_federation(cfg.task, cfg.sites, data_dir, image_size=cfg.photo_size, seed=cfg.seed,
                                cases_scale=cfg.cases_scale)
 
 
-def _render_study(cache_dir: Path, settings: DemoSettings) -> tuple[Path, Path]:
-    """Write the demo photo and its ground-truth label map; return their paths."""
+def _study_rank(routed: str, own_site: str, unlike: bool) -> int:
+    """Preference of a candidate photo: 0 routed to its own site's model, 1 to global for a
+    reason other than the style gate, 2 routed to another site's model, 3 found unlike every site."""
+    if unlike:
+        return 3
+    if routed == own_site:
+        return 0
+    return 1 if routed == "global" else 2
+
+
+def choose_study(bundle_path: Path, out_dir: Path, settings: DemoSettings) -> tuple[Path, Path, dict[str, Any]]:
+    """Draw candidate demo photos from the study site's acquisition profile and keep the first the
+    super model routes best (:func:`_study_rank`: to the site's own model if any candidate goes there).
+
+    The photo and its ground-truth label map are written under ``out_dir``; the returned dict
+    records the chosen candidate and how the super model routed it (``case``, ``model``,
+    ``confidence``, ``reason``, ``unlike_sites``).
+    """
     import numpy as np
 
+    from engine.data.preprocess import normalise_rgb
     from engine.data.synth import render_fundus, site_profiles
+    from engine.inference.study import load_predictor
     from engine.io.files import write_label_png, write_rgb_png
 
+    predictor = load_predictor(bundle_path, "auto").predictor
+    site_names = list(predictor.metadata.site_names)
+    own = site_names[settings.study_site - 1]
     profile = site_profiles(settings.task, settings.sites)[settings.study_site - 1]
-    rng = np.random.default_rng([settings.seed, settings.study_site - 1, _DEMO_STREAM, 0])
-    image, label, _ = render_fundus(rng, profile, settings.study_size)
-    study = cache_dir / "study" / f"demo_fundus_site{settings.study_site}.png"
-    reference = cache_dir / "study" / f"demo_fundus_site{settings.study_site}_mask.png"
+    best: tuple[int, int, np.ndarray, np.ndarray, dict[str, Any]] | None = None
+    for case in range(STUDY_CANDIDATES):
+        rng = np.random.default_rng([settings.seed, settings.study_site - 1, _DEMO_STREAM, case])
+        image, label, _ = render_fundus(rng, profile, settings.photo_size)
+        pred = predictor.predict(normalise_rgb(image)[None])
+        unlike = bool(pred.unlike_sites[0]) if len(pred.unlike_sites) else False
+        routed = pred.routed_names(site_names)[0]
+        rank = _study_rank(routed, own, unlike)
+        if best is None or rank < best[0]:
+            record = {"case": case, "model": routed, "confidence": round(float(pred.confidence[0]), 4),
+                      "reason": pred.reasons[0] if len(pred.reasons) else "", "unlike_sites": unlike}
+            best = (rank, case, image, label, record)
+        if rank == 0:
+            break
+    assert best is not None
+    rank, _, image, label, record = best
+    if rank == 3:
+        log.warning("no demo photo of %s's profile lies inside the style gate; showing one it finds unlike", own)
+    study = out_dir / f"demo_fundus_{own}.png"
+    reference = out_dir / f"demo_fundus_{own}_mask.png"
     write_rgb_png(study, image)
     write_label_png(reference, label)
-    return study, reference
+    return study, reference, record
 
 
 def validation_dice(bundle_path: Path, datalists: list[Path], image_size: int) -> dict[str, dict[str, float]]:
@@ -157,6 +259,15 @@ def validation_dice(bundle_path: Path, datalists: list[Path], image_size: int) -
     return out
 
 
+def _quality(per_structure: dict[str, dict[str, float]]) -> dict[str, Any]:
+    worst = {name: min(site[name] for site in per_structure.values()) for name in TARGET_DICE}
+    if any(worst[name] < TARGET_DICE[name] for name in TARGET_DICE):
+        log.warning("the demo super model's validation Dice (worst site: %s) is below the target %s",
+                    {k: round(v, 3) for k, v in worst.items()}, TARGET_DICE)
+    return {"validation_dice": per_structure, "validation_dice_worst_site": worst,
+            "meets_target": all(worst[name] >= TARGET_DICE[name] for name in TARGET_DICE)}
+
+
 def progress_message(round_: int, rounds: int) -> str:
     """What the progress bar says during round ``round_`` of a demo trained for ``rounds`` rounds.
 
@@ -169,41 +280,51 @@ def progress_message(round_: int, rounds: int) -> str:
 
 
 def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,
-                 **settings: Any) -> dict[str, Any]:
-    """Return the demo's files, training the demo super model first when not cached.
+                 *, retrain: bool = False, **settings: Any) -> dict[str, Any]:
+    """Return the demo's files: a retrained demo cached in ``cache_dir``, else the shipped one, else
+    (or with ``retrain``) a demo super model trained now and cached.
 
     Parameters
     ----------
     cache_dir
-        Where the demo lives (e.g. ``~/.cache/fedsm/demo``).
+        Where a (re)trained demo lives (e.g. ``~/.cache/fedsm/demo``) and the demo site's working folder.
     progress
         Receives ``{"event": "progress", "done", "total", "message"}`` while training (and the
         simulation's own events).
     cancel
         Checked every batch; cancelling raises :class:`~engine.errors.CancelledError` and leaves
-        no manifest behind.
+        no manifest behind (the next start uses the shipped demo).
+    retrain
+        Train even when a cached or shipped demo exists (the app's *Retrain the demo*).
     settings
-        :class:`DemoSettings` fields (tests use tiny ones).
+        :class:`DemoSettings` fields (tests use tiny ones; only the defaults are shipped).
 
     Returns
     -------
     dict
         ``bundle`` (super model), ``study`` (demo photo), ``reference`` (its ground-truth mask),
         ``validation_dice`` (per site, disc and cup, on the sites' validation cases),
-        ``data_dir`` (the synthetic sites), ``site_workdir`` (for the demo site process),
-        ``cache_dir``, ``bundle_sha256`` and ``trained`` (True when trained by this call).
+        ``study_routing`` (how the super model routed the photo when it was chosen),
+        ``data_dir`` (the synthetic sites; ``None`` for the shipped demo), ``site_workdir`` (for the
+        demo site process), ``cache_dir``, ``bundle_sha256``, ``source`` (``"shipped"``, ``"cache"``
+        or ``"trained"``) and ``trained`` (True when trained by this call).
     """
-    from engine.io.atomic import write_text_atomic
-    from engine.simulate import SimulationConfig, run_simulation
-
     cfg = DemoSettings(**settings)
     cache_dir = Path(cache_dir).expanduser().absolute()
-    found = _cached(cache_dir, cfg)
-    if found is not None:
-        return found
-    (cache_dir / MANIFEST).unlink(missing_ok=True)
+    if not retrain:
+        found = _cached(cache_dir, cfg) or shipped_demo(cache_dir, cfg)
+        if found is not None:
+            return found
+    return _train(cache_dir, cfg, progress, cancel)
+
+
+def _train(cache_dir: Path, cfg: DemoSettings, progress: ProgressFn | None,
+           cancel: Callable[[], bool] | None) -> dict[str, Any]:
+    from engine.io.atomic import write_text_atomic
+    from engine.simulate import SimulationConfig, run_simulation
     from engine.threads import use_free_cores
 
+    (cache_dir / MANIFEST).unlink(missing_ok=True)
     threads = use_free_cores()
     total_rounds = cfg.rounds + 1  # FedSM adds one validation and calibration round after the training rounds
     site_names = [f"site{k + 1}" for k in range(cfg.sites)]
@@ -233,12 +354,8 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
     bundle = cache_dir / "training" / report["supermodel"]["fedsm"]["path"]
     if progress:
         progress({"event": "progress", "done": 0, "total": 0, "message": "Validating the demo super model …"})
-    per_structure = validation_dice(bundle, datalists, cfg.image_size)
-    worst = {name: min(site[name] for site in per_structure.values()) for name in TARGET_DICE}
-    if any(worst[name] < TARGET_DICE[name] for name in TARGET_DICE):
-        log.warning("the demo super model's validation Dice (worst site: %s) is below the target %s",
-                    {k: round(v, 3) for k, v in worst.items()}, TARGET_DICE)
-    study, reference = _render_study(cache_dir, cfg)
+    quality = _quality(validation_dice(bundle, datalists, cfg.image_size))
+    study, reference, routing = choose_study(bundle, cache_dir / "study", cfg)
     manifest = {
         "version": DEMO_VERSION,
         "settings": asdict(cfg),
@@ -246,14 +363,68 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
                   "reference": str(reference.relative_to(cache_dir)), "data_dir": "data",
                   "report": str((cache_dir / "training" / "report.json").relative_to(cache_dir))},
         "bundle_sha256": report["supermodel"]["fedsm"]["sha256"],
-        "validation_dice": per_structure,
-        "validation_dice_worst_site": worst,
-        "meets_target": all(worst[name] >= TARGET_DICE[name] for name in TARGET_DICE),
+        **quality,
+        "study_routing": routing,
         "torch_threads": threads,
     }
     write_text_atomic(cache_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-    out = _paths(cache_dir, manifest)
-    out["trained"] = True
+    out = _paths(cache_dir, cache_dir, manifest, "trained")
     if progress:
         progress({"event": "progress", "done": 1000, "total": 1000, "message": "Demo super model ready"})
     return out
+
+
+def half_precision_bundle(source: Path, target: Path, note: dict[str, Any]) -> str:
+    """Write ``source``'s super model to ``target`` with its floating-point tensors in float16.
+
+    The networks load them into float32 parameters (``load_state_dict`` converts), so the bundle
+    is a normal one at half the size. ``note`` is recorded in the metadata's ``extra["demo"]``.
+    Returns the written file's SHA-256.
+    """
+    import dataclasses
+
+    from engine.bundle import SuperModelBundle, load_bundle, save_bundle
+
+    full = load_bundle(source)
+
+    def half(weights: dict[str, Any]) -> dict[str, Any]:
+        return {k: t.half() if t.is_floating_point() else t for k, t in weights.items()}
+
+    meta = dataclasses.replace(full.metadata, extra={**full.metadata.extra, "demo": note})
+    return save_bundle(target, SuperModelBundle(meta, half(full.global_weights),
+                                                {s: half(w) for s, w in full.personal_weights.items()},
+                                                half(full.selector_weights)))
+
+
+def build_shipped_demo(out_dir: Path, work_dir: Path, progress: ProgressFn | None = None,
+                       cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Train the demo with the default :class:`DemoSettings` in ``work_dir`` and write the shipped
+    demo into ``out_dir`` (the repository's ``resources/fedsm_demo``; ``benchmarks/build_demo_bundle.py``).
+
+    The super model is stored in float16 (:func:`half_precision_bundle`); its validation Dice and
+    the demo photo's routing are measured again on that file. The manifest is written last.
+    Returns the manifest.
+    """
+    from engine.io.atomic import write_text_atomic
+
+    cfg = DemoSettings()
+    out_dir, work_dir = Path(out_dir).absolute(), Path(work_dir).absolute()
+    trained = prepare_demo(work_dir, progress, cancel, retrain=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    sha = half_precision_bundle(Path(trained["bundle"]), out_dir / SHIPPED_BUNDLE,
+                                {"weights": "float16", "built_by": BUILD_COMMAND, "settings": asdict(cfg)})
+    quality = _quality(validation_dice(out_dir / SHIPPED_BUNDLE, _demo_sites(work_dir / "data", cfg), cfg.image_size))
+    study, reference, routing = choose_study(out_dir / SHIPPED_BUNDLE, out_dir, cfg)
+    manifest = {
+        "version": DEMO_VERSION,
+        "settings": asdict(cfg),
+        "files": {"bundle": SHIPPED_BUNDLE, "study": study.name, "reference": reference.name},
+        "bundle_sha256": sha,
+        "bundle_bytes": (out_dir / SHIPPED_BUNDLE).stat().st_size,
+        "weights": "float16",
+        **quality,
+        "study_routing": routing,
+        "built_by": BUILD_COMMAND,
+    }
+    write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest

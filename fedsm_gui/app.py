@@ -54,10 +54,13 @@ class FedSMApp:
         Working folder of the simulated demo site (Join without a site configuration).
     demo_rounds
         Rounds of the simulated demo site.
+    demo_cache_dir
+        Where Demo ▸ Retrain caches the retrained demo (``--demo`` sets it again; default
+        :func:`default_cache_dir`).
     """
 
     def __init__(self, config_dir: Path | None = None, api: ModuleType | Any = engine.api,
-                 demo_workdir: Path | None = None, demo_rounds: int = 3) -> None:
+                 demo_workdir: Path | None = None, demo_rounds: int = 3, demo_cache_dir: Path | None = None) -> None:
         from fedsm_gui.views.main_window import MainWindow
         from fedsm_gui.workers.process import QtProcessRunner
         from fedsm_gui.workers.tasks import QtTaskRunner
@@ -78,7 +81,8 @@ class FedSMApp:
                                                    w.segmentation_panel, w, self.tasks, api)
         self.federation = FederationController(self.federation_state, w.federation_panel, self.tasks, self.process,
                                                api, demo_workdir, demo_rounds)
-        self.demo = DemoController(w, self.tasks, api, self.studies, self.segmentation, self.federation)
+        self.demo = DemoController(w, self.tasks, api, self.studies, self.segmentation, self.federation,
+                                   demo_cache_dir or default_cache_dir())
         w.overlay_hotkey.connect(self.overlays.toggle_visible)
         w.closing.connect(self.shutdown)
 
@@ -97,9 +101,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      "super-model segmentation, and a site's federation panel.")
     parser.add_argument("--version", action="version", version=f"fedsm-gui {__version__}")
     parser.add_argument("path", nargs="?", help="a fundus photo, a NIfTI/MHA/NRRD volume or a DICOM folder to open")
-    parser.add_argument("--demo", action="store_true", help="open the embedded demo (trains a small demo super "
-                        "model on first start, then cached; docs/gui.md gives the measured time)")
-    parser.add_argument("--cache-dir", type=Path, default=None, help=f"demo cache (default {default_cache_dir()})")
+    parser.add_argument("--demo", action="store_true", help="open the embedded demo: a demo photo segmented by the "
+                        "shipped demo super model (Demo ▸ Retrain trains it again and caches it; docs/gui.md#demo)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help=f"where a retrained demo is cached (default {default_cache_dir()})")
     parser.add_argument("--model", type=Path, default=None, help="super-model bundle (.safetensors) to load")
     parser.add_argument("--quit-when-ready", action="store_true", help="for scripted checks: exit with status 0 "
                         "once the demo (or PATH) is shown, 1 at the first error message")
@@ -124,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     qt_app = QApplication.instance() or QApplication([sys.argv[0]])
     qt_app.setApplicationName("FedSM")
     cache_dir = (args.cache_dir or default_cache_dir()).expanduser()
-    app = FedSMApp(default_config_dir(), demo_workdir=cache_dir / "site")
+    app = FedSMApp(default_config_dir(), demo_workdir=cache_dir / "site", demo_cache_dir=cache_dir)
     app.window.show()
     on_ready = None
     if args.quit_when_ready:

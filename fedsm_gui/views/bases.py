@@ -208,6 +208,8 @@ class MainView:
     open_requested = Intent("path: str")
     open_mask_requested = Intent("path: str")
     overlay_hotkey = Intent()
+    retrain_demo_requested = Intent()
+    stop_demo_requested = Intent()
 
     def set_title(self, text: str) -> None:
         """Window title (study name)."""
@@ -231,4 +233,8 @@ class MainView:
 
     def set_busy(self, message: str | None, done: int = 0, total: int = 0) -> None:
         """Show long work (``None``: hide); ``total == 0`` means an indeterminate bar."""
+        raise NotImplementedError
+
+    def set_demo_retraining(self, running: bool) -> None:
+        """Whether the demo super model is being retrained (Retrain off, Stop on while it is)."""
         raise NotImplementedError

@@ -123,6 +123,8 @@ class MainWindow(QMainWindow):
     open_requested = Signal(str)
     open_mask_requested = Signal(str)
     overlay_hotkey = Signal()
+    retrain_demo_requested = Signal()
+    stop_demo_requested = Signal()
     closing = Signal()
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -197,6 +199,13 @@ class MainWindow(QMainWindow):
         self._action(view_menu, "&Measure distance", "D", self.viewer.measure_button.toggle)
         run_menu = self.menuBar().addMenu("&Segmentation")
         self._action(run_menu, "&Run", "Ctrl+R", self.segmentation_panel.run_requested.emit)
+        demo_menu = self.menuBar().addMenu("&Demo")
+        self.retrain_demo_action = self._action(demo_menu, "&Retrain the demo super model", "",
+                                                self.retrain_demo_requested.emit)
+        self.retrain_demo_action.setStatusTip("Train the demo's FedSM super model again on its synthetic sites "
+                                              "(minutes), then show and cache it")
+        self.stop_demo_action = self._action(demo_menu, "&Stop retraining", "", self.stop_demo_requested.emit)
+        self.stop_demo_action.setEnabled(False)
         help_menu = self.menuBar().addMenu("&Help")
         self._action(help_menu, "&Keys and mouse", QKeySequence.StandardKey.HelpContents, self.show_help)
         self._action(help_menu, "&About FedSM", "", self.show_about)
@@ -356,6 +365,10 @@ class MainWindow(QMainWindow):
         self.busy_bar.setValue(done if total > 0 else 0)
         self.busy_label.show()
         self.busy_bar.show()
+
+    def set_demo_retraining(self, running: bool) -> None:
+        self.retrain_demo_action.setEnabled(not running)
+        self.stop_demo_action.setEnabled(running)
 
     # --- lifecycle -----------------------------------------------------------------------
     def closeEvent(self, event: QCloseEvent) -> None:

@@ -10,7 +10,7 @@ from testsupport import SHARED_DATA  # noqa: F401 (re-exported for GUI tests)
 from engine.errors import CancelledError
 
 #: Demo settings small enough for tests: one 32-pixel round (a few seconds on one core).
-TINY_DEMO = {"image_size": 32, "rounds": 1, "epochs": 1, "study_size": 64, "cases_scale": 1}
+TINY_DEMO = {"image_size": 32, "rounds": 1, "epochs": 1, "photo_size": 64, "cases_scale": 1}
 
 
 class SyncHandle:

@@ -27,12 +27,12 @@ def test_demo_opens_with_its_overlay_routing_and_ground_truth(fedsm_app, qtbot, 
     app = fedsm_app
     _open_demo(app, qtbot, tiny_demo)
     assert app.viewer_state.study is not None and app.viewer_state.study.kind == "photo"
-    assert app.viewer_state.study.shape == (TINY_DEMO["study_size"],) * 2
+    assert app.viewer_state.study.shape == (TINY_DEMO["photo_size"],) * 2
     assert set(app.overlays.layers) == {MODEL_LAYER, REFERENCE_LAYER}
     assert app.overlays.layers[MODEL_LAYER].labels.names == {1: "rim", 2: "cup"}
     panel = app.window.segmentation_panel
     routing = app.segmentation_state.routing_at(0)
-    # the selector sends the demo photo (drawn with site 2's acquisition profile) somewhere, with a confidence
+    # the super model sends the demo photo (drawn with site 3's acquisition profile) somewhere, with a confidence
     assert routing.model in {"global", "site1", "site2", "site3"}
     assert 0.0 <= routing.confidence <= 1.0
     assert panel.strip.cells == [(routing.model, routing.confidence)]
@@ -63,7 +63,12 @@ def test_gamma_force_and_compare_rerun_the_model(fedsm_app, qtbot, tiny_demo, mo
     panel.run_button.click()
     qtbot.waitUntil(lambda: app.segmentation_state.status == "done" and len(calls) == 1, timeout=WAIT_MS)
     assert calls[-1]["gamma"] == 1.0
-    assert app.segmentation_state.routing_at(0).model == "global"
+    routing = app.segmentation_state.routing_at(0)
+    if app.segmentation_state.metadata.get("site_routing") == "style":
+        # the style gate's nearest site picks the model (the demo photo is one of its sites'); gamma is not used
+        assert "most alike" in routing.reason, routing.reason
+    else:
+        assert routing.model == "global"
     index = panel.model_combo.findData("site3")
     panel.model_combo.setCurrentIndex(index)
     panel.model_combo.activated.emit(index)
@@ -145,9 +150,9 @@ def test_check_data_lists_every_file_with_its_status(fedsm_app, qtbot, tiny_demo
     assert "1 with problems" in panel.check_summary.text()
 
 
-def test_first_demo_start_trains_with_an_advancing_progress_bar(fedsm_app, qtbot, tmp_path):
-    """Not cached yet: the busy bar shows real training progress (a total and rising values) and
-    then the demo opens with its overlay."""
+def test_a_demo_neither_cached_nor_shipped_trains_with_an_advancing_progress_bar(fedsm_app, qtbot, tmp_path):
+    """Settings that no shipped or cached demo was trained with (the tiny ones): the busy bar shows
+    real training progress (a total and rising values) and then the demo opens with its overlay."""
     app = fedsm_app
     shown: list[tuple[str | None, int, int]] = []
     original = app.window.set_busy
@@ -168,6 +173,7 @@ def test_first_demo_start_trains_with_an_advancing_progress_bar(fedsm_app, qtbot
     assert training[-1][0] > training[0][0]  # the bar moved
     assert shown[-1][0] is None  # and was hidden once the demo was ready
     assert app.segmentation_state.bundle_path is not None
+    assert app.demo.paths["source"] == "trained"
 
 
 def test_the_fedsm_gui_entry_point_opens_the_demo_and_reports_errors(qtbot, tiny_demo, tmp_path, monkeypatch,
