@@ -1,6 +1,6 @@
 """Write the README's screenshots of the desktop app to ``docs/img/`` (offscreen).
 
-- ``main_window.png``: the embedded demo (``fedsm-gui --demo``): a synthetic fundus photo with
+- ``main_window.png``: the embedded demo (``fedsm-gui --demo``, the shipped demo bundle): a synthetic fundus photo with
   the super model's mask, the ground truth as outlines, the routing strip and the cup-to-disc ratio.
 - ``volume_view.png``: a synthetic prostate MR volume in three orthogonal views with the model's
   mask and the per-slice routing strip.

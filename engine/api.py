@@ -206,7 +206,8 @@ def preload_super_model(path: Path, device: str = "auto") -> dict[str, Any]:
 
 def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Callable[[], bool] | None = None,
                  **settings: Any) -> dict[str, Any]:
-    """The app's demo (super model, study, reference mask), trained on first use and cached; see ``engine.demo``."""
+    """The app's demo (super model, study, reference mask): the shipped one (``resources/fedsm_demo``), a retrained
+    one from ``cache_dir``, or (``retrain=True`` in ``settings``) trained now and cached; see ``engine.demo``."""
     from engine.demo import prepare_demo as prepare
 
     return prepare(Path(cache_dir), progress, cancel, **settings)
