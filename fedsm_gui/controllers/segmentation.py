@@ -1,4 +1,4 @@
-"""The segmentation panel: bundle, gamma, device, Run/Cancel, routing per slice, compare, export."""
+"""The segmentation panel: bundle, gamma, device, Run/Cancel, routing per image or slice, compare, export."""
 
 from __future__ import annotations
 
@@ -71,9 +71,15 @@ class SegmentationController:
             self.view.set_models(s.model_names, s.forced_model, choose_site=True)
         else:
             self.view.set_models(s.model_names, s.forced_model)
+        self.view.set_photo(self.is_photo())
         can_run = s.metadata is not None and self.viewer.study is not None and s.status != RUNNING
         self.view.set_run_state(s.status, *s.progress, s.message, can_run)
         self.show_current()
+
+    def is_photo(self) -> bool:
+        """Whether the open study is a photo (one image) rather than a volume (slices)."""
+        study = self.viewer.study
+        return study is not None and study.kind == "photo"
 
     def current_index(self) -> int:
         """Index of the image/slice the routing values refer to (the axial slice of a volume)."""
@@ -203,8 +209,9 @@ class SegmentationController:
         if not model:
             routing = self.state.routing_at(self.current_index())
             if routing is None or not routing.runner_up:
+                where = "this image" if self.is_photo() else "this slice"
                 self.main.show_error("Nothing to compare", "run the super model first; the runner-up is the "
-                                                           "model the selector ranked second for this slice")
+                                                           f"model the selector ranked second for {where}")
                 return
             model = routing.runner_up
         previous = self.state.result

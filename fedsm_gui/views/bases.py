@@ -128,6 +128,10 @@ class SegmentationView:
         """Confidence strip: per image/slice the routed model and confidence; ``current`` is highlighted."""
         raise NotImplementedError
 
+    def set_photo(self, photo: bool) -> None:
+        """Words for the open study: a photo is routed as one *image*, a volume *slice* by slice."""
+        raise NotImplementedError
+
     def set_current(self, index: int | None, model: str | None, confidence: float | None,
                     probabilities: dict[str, float], runner_up: str | None, reason: str = "") -> None:
         """Values of the current image/slice (``None``: no result yet); ``reason``: why this model."""

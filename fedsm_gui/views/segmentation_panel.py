@@ -148,7 +148,9 @@ class SegmentationPanel(QGroupBox):
         layout.addWidget(self.device_label)
         layout.addLayout(run_row)
         layout.addWidget(self.status_label)
-        layout.addWidget(QLabel("Routing per slice (colour: model, height: selector confidence)"))
+        self.routing_title = QLabel()
+        self.routing_title.setObjectName("routing-title")
+        layout.addWidget(self.routing_title)
         layout.addWidget(self.strip)
         layout.addWidget(self.current_label)
         bottom = QHBoxLayout()
@@ -161,6 +163,8 @@ class SegmentationPanel(QGroupBox):
         self._export_name = "mask.nii.gz"
         self._metadata: dict[str, Any] | None = None
         self._bundle_path: str | None = None
+        self._photo = False
+        self.set_photo(False)
 
     # --- dialogs -------------------------------------------------------------------------
     def browse_bundle(self) -> None:
@@ -260,6 +264,11 @@ class SegmentationPanel(QGroupBox):
     def set_routing(self, strip: Sequence[tuple[str, float]], model_names: Sequence[str], current: int) -> None:
         self.strip.set_data(strip, model_names, current, self._gamma_value)
 
+    def set_photo(self, photo: bool) -> None:
+        self._photo = bool(photo)
+        self.routing_title.setText(f"Routing per {'image' if photo else 'slice'} "
+                                   "(colour: model, height: selector confidence)")
+
     def set_current(self, index: int | None, model: str | None, confidence: float | None,
                     probabilities: dict[str, float], runner_up: str | None, reason: str = "") -> None:
         if index is None or model is None:
@@ -268,7 +277,8 @@ class SegmentationPanel(QGroupBox):
         colour = model_colour(model, self.strip.model_names).name()
         probs = " · ".join(f"{k} {v:.2f}" for k, v in sorted(probabilities.items(), key=lambda kv: -kv[1]))
         self.current_label.setText(
-            f"Slice {index + 1}: <b style='color:{colour}'>{model}</b> model, confidence {confidence:.2f}"
+            f"{'Image' if self._photo else f'Slice {index + 1}'}: <b style='color:{colour}'>{model}</b> model, "
+            f"confidence {confidence:.2f}"
             f"<br>selector: {probs}<br>runner-up: {runner_up or '—'}"
             + (f"<br>why: {html.escape(reason)}" if reason else ""))
 
