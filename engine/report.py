@@ -227,14 +227,55 @@ def per_site_evidence_lines(report: dict[str, Any], method: str, sites: list[str
     return lines
 
 
+#: What "each site's model" is in the local/OOD table, per method family.
+_LOCAL_OOD_MODELS = {
+    "split": "each site's client net with the server net it segments with",
+    "personalized": "each site's personalized model",
+    "global": "the one global model, the same at every site (so a site's OOD is the mean of the other sites' "
+              "local values)",
+    "local": "each site's own model, trained on its data alone",
+    "other": "the model each site segments with",
+}
+
+
+def _local_ood_family(name: str) -> str:
+    """The local/OOD table's method family of ``name`` (a key of :data:`_LOCAL_OOD_MODELS`)."""
+    from engine.bundle.supermodel import SINGLE_MODEL_METHODS
+    from engine.fl.registry import SPLIT_LEARNING_METHODS
+
+    if name in SPLIT_LEARNING_METHODS:
+        return "split"
+    if name == "local":
+        return "local"
+    if name in SINGLE_MODEL_METHODS:
+        return "global"
+    if name.startswith("fedsm"):
+        return "personalized"
+    return "other"
+
+
+def local_ood_caption(methods: list[str]) -> str:
+    """The local/OOD table's caption: which model a site's row scores, said for each method family present.
+
+    Split networks (BlackFed) score each site's client net with its server net; FedSM each
+    site's personalized model; FedAvg, FedProx, Scaffold, Centralized and FedIOD the one global
+    model (the same at every site, so a site's OOD is the mean of the other sites' local values);
+    Local each site's own model.
+    """
+    families: dict[str, list[str]] = {}
+    for name in methods:
+        families.setdefault(_local_ood_family(name), []).append(METHOD_TITLES.get(name, name))
+    clauses = [f"{', '.join(titles)}: {_LOCAL_OOD_MODELS[family]}" for family, titles in families.items()]
+    return ("Dice of the model each site segments with, on its own test set (local) and on the other sites' test "
+            "sets (OOD, mean). " + "; ".join(clauses) + ".")
+
+
 def _local_ood_lines(report: dict[str, Any], sites: list[str]) -> list[str]:
     """Per-site local / OOD Dice of the methods that report it (dialogue methods such as BlackFed)."""
     rows = {n: r["extra"]["local_ood"] for n, r in report["methods"].items() if r.get("extra", {}).get("local_ood")}
     if not rows:
         return []
-    lines = ["", "## Local and out-of-distribution Dice", "",
-             "Each site's model (its client net with its server net) on its own test set (local) and "
-             "on the other sites' test sets (OOD, mean).", "",
+    lines = ["", "## Local and out-of-distribution Dice", "", local_ood_caption(list(rows)), "",
              "| method | " + " | ".join(f"{s} local | {s} OOD" for s in sites) + " |",
              "|---" * (2 * len(sites) + 1) + "|"]
     for name, per_site in rows.items():
