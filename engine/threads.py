@@ -5,7 +5,10 @@ users, other jobs, a CI runner) those threads spin waiting for each other and a 
 30 CPU seconds takes hundreds. :func:`free_cores` counts the cores of this process's CPU
 affinity (``os.sched_getaffinity``, which honours ``taskset`` and container CPU sets) minus
 the one-minute load average of the other work; :func:`use_free_cores` hands that to torch. An
-explicit ``OMP_NUM_THREADS`` always wins: whoever set it knows the machine.
+explicit ``OMP_NUM_THREADS`` wins over the free cores: whoever set it knows the machine.
+
+A command's ``--threads N`` (:func:`use_threads`) wins over both, for the rest of the process:
+later :func:`use_free_cores` calls (inference calls it when it loads a model) keep ``N``.
 """
 
 from __future__ import annotations
@@ -49,13 +52,40 @@ def free_cores(cores: Callable[[], int] = _affinity_cores, load: Callable[[], fl
     return int(min(max(total - math.floor(busy_elsewhere + 0.5), 1), total))
 
 
+#: The thread count this process was told to use (a command's ``--threads``); ``None``: follow the free cores.
+_chosen: int | None = None
+
+
+def use_threads(threads: int | None, environ: dict[str, str] | None = None, **kwargs: object) -> int:
+    """Set torch's intra-op threads for this process's command; return the count.
+
+    ``threads`` (a command's ``--threads N``, at least 1) is kept for the rest of the process:
+    later :func:`use_free_cores` calls return it instead of counting free cores. ``None`` forgets
+    any earlier choice and uses :func:`use_free_cores` (``OMP_NUM_THREADS`` when set, else the
+    cores other work is not using).
+    """
+    global _chosen
+    if threads is None:
+        _chosen = None
+        return use_free_cores(environ, **kwargs)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        from engine.errors import ConfigError
+
+        raise ConfigError(f"threads must be a whole number >= 1, got {threads!r}")
+    _chosen = threads
+    return use_free_cores(environ, **kwargs)
+
+
 def use_free_cores(environ: dict[str, str] | None = None, **kwargs: object) -> int:
-    """Set torch's intra-op threads to :func:`free_cores` (or ``OMP_NUM_THREADS``); return the count."""
+    """Set torch's intra-op threads to the count :func:`use_threads` chose, else ``OMP_NUM_THREADS``, else
+    :func:`free_cores`; return the count."""
     import torch
 
     env = os.environ if environ is None else environ
     explicit = env.get("OMP_NUM_THREADS", "").strip()
-    if explicit.isdigit() and int(explicit) > 0:
+    if _chosen is not None:
+        threads = _chosen
+    elif explicit.isdigit() and int(explicit) > 0:
         threads = int(explicit)
     else:
         threads = free_cores(**kwargs)  # type: ignore[arg-type]

@@ -48,8 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-PRESET)")
     p.add_argument("--fresh", action="store_true", help="ignore cached job results and run everything again")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on a shared machine more threads mostly wait)")
+    from engine.cli.main import add_threads_option
+
+    add_threads_option(p, "; recorded in the report")
     p.add_argument("--docs", action="store_true",
                    help="also write docs/results.md and docs/img/results/*.png of this repository "
                         f"(presets {', '.join(DOCS_PRESETS)} only, unless --force-docs)")
@@ -83,7 +84,7 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     """Handler of ``fedsm bench``."""
     from engine import api
-    from engine.cli.main import setup_logging
+    from engine.cli.main import _set_threads, setup_logging
     from engine.cli.progress import TerminalProgress
     from engine.errors import ConfigError
 
@@ -97,10 +98,11 @@ def run_bench(args: argparse.Namespace) -> int:
             f"with preset {args.preset!r}; its report is written to {out / 'report' / 'results.md'} anyway "
             "(choose the folder with --out DIR). Add --force-docs to overwrite the docs regardless.")
     setup_logging(args.verbose, out / "bench.log")
+    threads = _set_threads(args.threads)
     progress = TerminalProgress(out / "events.jsonl")
     command = "fedsm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None
     try:
-        summary = api.benchmark(args.preset, out, fresh=args.fresh, device=args.device, threads=args.threads,
+        summary = api.benchmark(args.preset, out, fresh=args.fresh, device=args.device, threads=threads,
                                 docs_dir=DOCS_DIR if args.docs else None, progress=progress,
                                 command=command or f"fedsm bench --preset {args.preset}", **_reduction(args))
     finally:

@@ -72,7 +72,7 @@ def _events(args: argparse.Namespace, source: str, site: str | None, path: Path)
 
 
 def _server(args: argparse.Namespace) -> int:
-    from engine.cli.main import setup_logging
+    from engine.cli.main import _set_threads, setup_logging
     from engine.federation.config import load_federation_config
     from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.server import run_server
@@ -80,6 +80,7 @@ def _server(args: argparse.Namespace) -> int:
     keep_freed_memory()
     cfg = load_federation_config(args.config)
     setup_logging(args.verbose, cfg.work_dir / "server.log")
+    _set_threads(args.threads)  # the ServerApp (aggregation, FedIOD's distillation) runs in this process
     stop = StopFlag()
     with _events(args, "server", None, cfg.work_dir / "events.jsonl") as events:
         summary = run_server(cfg, events=events, insecure=args.insecure, resume=args.resume, stop=stop)
@@ -90,7 +91,9 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _site(args: argparse.Namespace) -> int:
-    from engine.cli.main import setup_logging
+    import dataclasses
+
+    from engine.cli.main import _set_threads, setup_logging
     from engine.federation.config import load_site_config
     from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.site import run_site
@@ -98,6 +101,10 @@ def _site(args: argparse.Namespace) -> int:
     keep_freed_memory()
     cfg = load_site_config(args.config, check_files=False)
     setup_logging(args.verbose, cfg.work_dir / "site.log")
+    # the ClientApp trains in this process: --threads, else site.toml's threads, else OMP_NUM_THREADS or the
+    # free cores; the count is kept for the whole run (also when the site loads a model to validate)
+    threads = _set_threads(args.threads if args.threads is not None else (cfg.threads or None))
+    cfg = dataclasses.replace(cfg, threads=threads)
     stop = StopFlag()
     with _events(args, "site", cfg.name, cfg.work_dir / "events.jsonl") as events:
         confirm = None
@@ -166,12 +173,15 @@ def _enroll(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``server``, ``site``, ``certs`` and ``enroll`` to the ``fedsm`` parser."""
+    from engine.cli.main import add_threads_option
+
     p = sub.add_parser("server", help="run the coordinator of a federation (Flower SuperLink + FedSM ServerApp)")
     p.add_argument("--config", type=Path, required=True, help="federation.toml")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the work folder")
     p.add_argument("--insecure", action="store_true",
                    help="no TLS and no site authentication; loopback demonstrations only")
     p.add_argument("--json", action="store_true", help="write progress events to stdout as JSON lines")
+    add_threads_option(p, "; the coordinator's aggregation and distillation run in this process")
     p.set_defaults(handler=_server)
 
     p = sub.add_parser("site", help="join a federation as one site (Flower SuperNode + FedSM ClientApp)")
@@ -184,6 +194,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--confirm-runs", action="store_true",
                    help="before training for a new run, wait for 'accept' on standard input (anything else "
                         "declines); the run's signed settings are shown in a run_settings event first")
+    add_threads_option(p, "; site.toml's [site] threads when set and no --threads is given")
     p.set_defaults(handler=_site)
 
     p = sub.add_parser("certs", help="create the federation CA, the coordinator certificate or a site's key pair")

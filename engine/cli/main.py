@@ -44,16 +44,22 @@ def _threads(text: str) -> int:
     return value
 
 
+#: ``--threads`` help shared by every command that runs torch in its own process.
+THREADS_HELP = ("torch CPU threads (default: the cores of this process's CPU set that other work is not using, "
+                "or OMP_NUM_THREADS when set)")
+
+
+def add_threads_option(p: argparse.ArgumentParser, more_help: str = "") -> None:
+    """Add ``--threads N`` (torch's CPU threads; :func:`_set_threads` applies it) to a command's parser."""
+    p.add_argument("--threads", type=_threads, default=None, metavar="N", help=THREADS_HELP + more_help)
+
+
 def _set_threads(threads: int | None) -> int:
-    """torch's CPU threads for a simulation: ``threads`` if given, else the free cores (:mod:`engine.threads`)."""
-    import torch
+    """torch's CPU threads for a command: ``threads`` if given (kept while the command runs, also when
+    inference loads a model), else ``OMP_NUM_THREADS`` or the free cores (:mod:`engine.threads`)."""
+    from engine.threads import use_threads
 
-    from engine.threads import use_free_cores
-
-    if threads is None:
-        return use_free_cores()
-    torch.set_num_threads(threads)
-    return threads
+    return use_threads(threads)
 
 
 def _gamma(text: str) -> float | str:
@@ -112,10 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox,fediod")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=_threads, default=None,
-                   help="torch CPU threads (default: the cores of this process's CPU set that other work "
-                        "is not using, or OMP_NUM_THREADS when set; give 1-2 per process when running "
-                        "several simulations side by side)")
+    add_threads_option(p, "; give 1-2 per process when running several simulations side by side")
     p.add_argument("--lam", type=float, default=None,
                    help="SoftPull lambda (default 0.7 fundus, 0.3 prostate; at least 1/K)")
     p.add_argument("--gamma", type=_gamma, default=0.6,
@@ -215,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", default=None,
                    help="BlackFed (split-network) bundles: whose client net to use; super models: use that "
                         "site's personalized model instead of routing")
+    add_threads_option(p)
 
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -300,6 +304,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "infer":
         setup_logging(args.verbose)
+        _set_threads(args.threads)
         choice = args.model_choice.strip()
         force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,

@@ -104,17 +104,21 @@ def register_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the full report here")
     add_allow_outside(p)
+    from engine.cli.main import add_threads_option
+
+    add_threads_option(p)
     p.set_defaults(handler=evaluate_command)
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm evaluate``."""
     from engine import api
-    from engine.cli.main import setup_logging
+    from engine.cli.main import _set_threads, setup_logging
     from engine.data.datalist import outside_paths_allowed
     from engine.inference.evaluate import format_evaluation
 
     setup_logging(args.verbose)
+    _set_threads(args.threads)
     if args.json is not None and args.json.is_dir():
         raise ConfigError(f"{args.json}: is a folder; give a file name, e.g. {args.json / 'evaluation.json'}")
     with outside_paths_allowed(args.allow_outside):

@@ -131,7 +131,8 @@ def test_tiny_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     assert main(["bench", "--preset", "tiny", "--out", str(out), "--device", "cpu", "--docs"]) == 2
     assert "--force-docs" in capsys.readouterr().err
     # ... unless forced; everything comes from the cache, a reading written for this preset survives
-    assert main(["bench", "--preset", "tiny", "--out", str(out), "--device", "cpu", "--docs", "--force-docs"]) == 0
+    assert main(["bench", "--preset", "tiny", "--out", str(out), "--device", "cpu", "--docs", "--force-docs",
+                 "--threads", "1"]) == 0
     assert "0 job(s) run" in capsys.readouterr().out
     doc_md = (docs / "results.md").read_text(encoding="utf-8")
     assert "FedSM reads well." in doc_md
