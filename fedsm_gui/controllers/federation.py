@@ -425,7 +425,7 @@ class FederationController:
                 text += f" — bundle: {s.bundle}"
             self.view.set_status(s.status, text, s.running or self.process.running)
         if PROGRESS in parts or STATUS in parts:
-            self.view.set_progress(s.round, s.rounds, s.batch, s.batches)
+            self.view.set_progress(s.round, s.rounds, s.progress_fraction, s.progress_line)
         if METRICS in parts:
             self.view.set_metrics([s.metrics[r] for r in sorted(s.metrics)])
         if LEDGER in parts:

@@ -173,8 +173,28 @@ class FederationState:
 
     @property
     def progress_fraction(self) -> float:
-        """Local progress in the current round, 0..1."""
+        """Local progress in the current round, 0..1 (1 once the run has finished)."""
+        if self.status == FINISHED:
+            return 1.0
         return self.batch / self.batches if self.batches else 0.0
+
+    @property
+    def progress_line(self) -> str:
+        """What the local progress bar says: the round's local batch while training, a final line once over.
+
+        A round without local training (FedSM's last round only validates) or one whose first batch
+        has not come yet says so instead of showing "batch 0 of 1".
+        """
+        rounds = f"{self.rounds} round{'' if self.rounds == 1 else 's'}"
+        if self.status == FINISHED:
+            return f"run finished: {rounds}"
+        if self.status in (STOPPED, FAILED):
+            return f"stopped in round {self.round} of {self.rounds}" if self.round else "stopped"
+        if self.batches:
+            return f"local batch {self.batch} of {self.batches}"
+        if self.round:
+            return f"round {self.round}: no local training batch yet"
+        return ""
 
     def sent_total(self) -> int:
         """Bytes this site sent in this run."""

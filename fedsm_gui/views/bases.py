@@ -177,8 +177,8 @@ class FederationView:
         """
         raise NotImplementedError
 
-    def set_progress(self, round_: int, rounds: int, batch: int, batches: int) -> None:
-        """Round r of R and the local progress bar."""
+    def set_progress(self, round_: int, rounds: int, fraction: float, line: str) -> None:
+        """Round r of R and the local progress bar: ``fraction`` done (0..1) and the ``line`` it shows."""
         raise NotImplementedError
 
     def set_metrics(self, rounds: Sequence[Any]) -> None:

@@ -167,7 +167,7 @@ class FederationPanel(QWidget):
         self.round_label.setObjectName("round-label")
         self.progress = QProgressBar()
         self.progress.setObjectName("round-progress")
-        self.progress.setFormat("local batch %v of %m")
+        self.progress.setFormat("")
         status_layout = QVBoxLayout(status)
         row = QHBoxLayout()
         row.addWidget(self.join_button)
@@ -301,10 +301,11 @@ class FederationPanel(QWidget):
         for button in self.setup_buttons:
             button.setEnabled(not running)
 
-    def set_progress(self, round_: int, rounds: int, batch: int, batches: int) -> None:
+    def set_progress(self, round_: int, rounds: int, fraction: float, line: str) -> None:
         self.round_label.setText(f"Round {round_ or '—'} of {rounds or '—'}")
-        self.progress.setRange(0, max(batches, 1))
-        self.progress.setValue(min(batch, max(batches, 1)))
+        self.progress.setRange(0, 1000)
+        self.progress.setValue(round(1000 * min(max(fraction, 0.0), 1.0)))
+        self.progress.setFormat(line.replace("%", "%%"))
 
     def set_metrics(self, rounds: Sequence[Any]) -> None:
         losses: dict[str, list[tuple[int, float]]] = {}
