@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import signal
 from pathlib import Path
 
 import pytest
 
-from engine.federation.demo_site import run_demo_site
+from engine.federation.demo_site import DEMO_SELECTOR_WARMUP, run_demo_site
 from engine.federation.events import EVENT_KINDS
 
 #: Keys each event kind must carry (the ``fedsm site --json`` schema the panel reads).
@@ -73,6 +75,41 @@ def test_demo_site_refuses_an_unknown_site(site_workdir):
         run_demo_site(site_workdir, site="site9", rounds=1, image_size=32, emit=lambda e: None)
 
 
+def test_the_apps_demo_site_warms_the_selector_up(site_workdir, monkeypatch):
+    import engine.federation.demo_site as demo_site
+
+    calls = []
+    monkeypatch.setattr(demo_site, "run_demo_site", lambda *args, **kwargs: calls.append((args, kwargs)) or 0)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:  # the command line the app's Join runs (demo_site_command) with its defaults
+        assert demo_site.main(demo_site.demo_site_command(site_workdir, "site1", 3)[3:]) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert calls[0][1]["selector_warmup"] == DEMO_SELECTOR_WARMUP > 0
+
+
+@pytest.mark.slow
+def test_the_demo_federations_selector_loss_is_below_ln_k_beside_the_unets(site_workdir):
+    events: list[dict] = []
+    assert run_demo_site(site_workdir, site="site1", rounds=1, image_size=32, emit=events.append,
+                         selector_warmup=DEMO_SELECTOR_WARMUP) == 0
+    losses = {e["round"]: e["loss"] for e in events if e["event"] == "metrics" and e["loss"]}
+    # the plotted value is the round's mean batch cross-entropy (the batches' own values, as the site saw them)
+    for rnd, loss in losses.items():
+        batches = [e["loss"]["selector"] for e in events
+                   if e["event"] == "batch" and e["round"] == rnd and "selector" in e["loss"]]
+        assert loss["selector"] == pytest.approx(sum(batches) / len(batches), abs=1e-4), rnd
+    training = [rnd for rnd, loss in losses.items() if "global" in loss]
+    assert training == [DEMO_SELECTOR_WARMUP + 1]
+    ln_k = math.log(3)  # the loss of guessing among the 3 sites
+    # where the plot shows it beside the U-Nets' losses, the selector tells the sites apart (site1 is the
+    # smallest site: a selector that learned only the sites' sizes would score -ln(4/20) = 1.61 here)
+    assert losses[training[0]]["selector"] < ln_k
+    # and the warm-up shows it learning: above ln K after its first step, below by its last round
+    assert losses[2]["selector"] > ln_k > losses[DEMO_SELECTOR_WARMUP]["selector"]
+
+
 @pytest.mark.slow
 def test_join_shows_live_progress_and_leave_stops_the_site(fedsm_app, qtbot, site_workdir):
     app = fedsm_app
@@ -85,11 +122,14 @@ def test_join_shows_live_progress_and_leave_stops_the_site(fedsm_app, qtbot, sit
     # alone; minutes when other jobs keep the cores busy, hence the generous deadline)
     qtbot.waitUntil(lambda: any(e.direction == "sent" for e in app.federation_state.ledger), timeout=600_000)
     state = app.federation_state
-    assert state.status == "connected" and state.round == 1 and state.rounds == 4
-    assert panel.round_label.text() == "Round 1 of 4"
+    total = DEMO_SELECTOR_WARMUP + 3 + 1  # selector warm-up, training rounds, validation round
+    assert state.status == "connected" and state.round == 1 and state.rounds == total
+    assert panel.round_label.text() == f"Round 1 of {total}"
     assert panel.ledger.rowCount() >= 2 and panel.ledger.item(1, 1).text() == "↑ sent"
     assert "sample count" in panel.ledger.item(1, 3).text()
-    assert panel.dice_plot.series and set(panel.dice_plot.series) == {"global", "personalized", "local"}
+    # a warm-up round trains the selector alone: its loss is plotted, no U-Net and no Dice yet
+    assert set(panel.loss_plot.series) == {"selector"} and not panel.dice_plot.series
+    assert "train the model selector alone" in panel.log.toPlainText()
     assert "received" in panel.log.toPlainText() and "connected to in-process demo" in panel.log.toPlainText()
     assert panel.progress.maximum() >= 1
     panel.leave_button.click()
