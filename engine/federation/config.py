@@ -41,7 +41,7 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     task = "fundus"
     work_dir = "site1-work"
     device = "auto"                      # auto | cpu | cuda
-    threads = 0                          # torch CPU threads (0 = torch's default)
+    threads = 0                          # torch CPU threads (0 = the free cores, or OMP_NUM_THREADS)
     poll_interval = 0.2
     runtime_port = 0                     # loopback port of the local SuperNode (0 = any free port)
 
