@@ -11,7 +11,8 @@ their own site's model and at least 80% of unseen images go to the global model.
 Rules compared (distances are squared Mahalanobis distances to the nearest site mean):
 
 ``median``
-    The engine's rule: ``SITE_MARGIN`` x the median over sites of each site's own 95% quantile.
+    The engine's rule until the leave-one-case-out change: ``SITE_MARGIN`` x the median over sites
+    of each site's own 95% quantile of its validation distances.
 ``predictive``
     The same rule on distances divided by ``1 + 1/m_k``, where ``m_k`` is the number of training
     cases (volumes or photos) of the nearest site: a new case's distance to a mean estimated from
@@ -22,6 +23,14 @@ Rules compared (distances are squared Mahalanobis distances to the nearest site 
     precision, ``trace(P S_k) / d``): noisy sites get a wider boundary.
 ``predictive+spread``
     Both.
+``conformal``
+    The engine's server rule since that change (``threshold_from_histograms``: the median over
+    sites of each site's conformal bound, ``SITE_MARGIN`` x its largest distance where it has too
+    few) on the validation distances alone.
+``loo``
+    The engine's rule on what a site sends since that change (``calibration_distances``): its
+    validation images' distances and each training case's distance under the gate refitted
+    without that case, times ``(m^2 - 1) / m^2``.
 
 Example::
 
@@ -41,8 +50,11 @@ from engine.data.site_data import load_site
 from engine.data.synth import existing_federation, generate_federation
 from engine.fl.style_gate import (
     DEFAULT_QUANTILE,
+    SITE_MARGIN,
+    calibration_distances,
     distance_histogram,
     fit_style_gate,
+    histogram_quantile,
     style_descriptors,
     style_distances,
     style_statistics,
@@ -79,8 +91,11 @@ def site_spread(stats: dict, precision: np.ndarray) -> float:
 
 
 def threshold(val_scores: list[np.ndarray]) -> float:
-    """The engine's threshold rule on (possibly rescaled) validation distances, through the sites' histograms."""
-    return threshold_from_histograms([distance_histogram(s) for s in val_scores], DEFAULT_QUANTILE)
+    """The engine's previous threshold rule on (possibly rescaled) validation distances, through the sites'
+    histograms: ``SITE_MARGIN`` x the median over sites of each site's 95% quantile."""
+    edges = [histogram_quantile(distance_histogram(s)["counts"].numpy(), DEFAULT_QUANTILE) for s in val_scores
+             if len(s)]
+    return float(SITE_MARGIN * np.median(edges)) if edges else float("inf")
 
 
 def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dict[str, tuple[float, float]]:
@@ -106,6 +121,13 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
         thr = threshold([d / scale[k] for d, k in val])
         own = np.concatenate([(k == j) & (d / scale[k] <= thr) for j, (d, k) in enumerate(test)])
         out[rule] = (float(own.mean()), float((ud / scale[uk] > thr).mean()))
+    hists = {"conformal": [distance_histogram(d) for d, _ in val],
+             "loo": [distance_histogram(calibration_distances(gate, k, s.train.images, s.train.case_ids,
+                                                              s.validation.images)) for k, s in enumerate(part)]}
+    for rule, h in hists.items():
+        thr = threshold_from_histograms(h, DEFAULT_QUANTILE)
+        own = np.concatenate([(k == j) & (d <= thr) for j, (d, k) in enumerate(test)])
+        out[rule] = (float(own.mean()), float((ud > thr).mean()))
     return out
 
 

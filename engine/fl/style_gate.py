@@ -20,12 +20,21 @@ federation can aggregate (no image and no per-image value leaves a site):
    (as LDA pools it), shrunk towards a scaled identity (:data:`SHRINKAGE`) because sites hold
    tens of images and a descriptor has up to 27 dimensions.
 3. **Threshold.** In the last (calibration) round each site receives the fitted means and
-   precision, computes the squared Mahalanobis distance of each of its validation images to the
-   nearest site mean, and sends a histogram of those distances (:data:`DISTANCE_EDGES`,
-   log-spaced). The server reads each site's ``quantile`` (default 0.95) from its histogram and
-   sets the threshold at :data:`SITE_MARGIN` times their median over sites
+   precision (and the pooled degrees of freedom and shrinkage, :data:`SITE_GATE_KEYS`), computes
+   the squared Mahalanobis distance to the nearest site mean of every image the gate has not
+   seen (:func:`calibration_distances`): its validation images, and each of its training cases
+   under the gate refitted without that case (leave-one-case-out, at the site), scaled by the
+   predictive factor ``(m^2 - 1) / m^2`` of a mean from ``m`` rather than ``m - 1`` cases. It
+   sends a histogram of those distances (:data:`DISTANCE_EDGES`, log-spaced). The server reads
+   from each site's histogram a bound a new image of the site stays below with probability
+   ``quantile`` (default 0.95): the ``ceil(quantile * (n + 1))``-th smallest of its ``n``
+   distances (split conformal), or :data:`SITE_MARGIN` times the largest where ``n`` is too small
+   (:func:`site_threshold`), and sets the threshold at their median over sites
    (:func:`threshold_from_histograms`): robust to one site whose few validation images lie far
-   from every training image.
+   from every training image. With a handful of cases per site the training cases' in-gate
+   distances say nothing of a new case (a mean and a covariance fitted to them); their
+   leave-one-case-out distances do, and they multiply the samples the threshold is read from
+   (docs/results.md, "The gate on real photos and few cases").
 4. **Routing.** At inference an image whose distance exceeds the threshold goes to the global
    model whatever the selector says (the reason says so); the others are routed by Algorithm 2,
    or by their nearest site with style routing (:func:`route_by_style`).
@@ -37,6 +46,7 @@ distance OOD score (Lee et al., NeurIPS 2018) on hand-built style features inste
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -67,8 +77,8 @@ GRID = 3
 PER_CHANNEL: dict[str, int] = {"intensity-v1": 4 + len(QUANTILES),
                                "intensity-v2": 4 + len(QUANTILES) + GRID * GRID + len(GRADIENT_QUANTILES) + 1}
 
-#: The threshold is this factor times the median over sites of each site's own distance quantile
-#: (:func:`threshold_from_histograms`).
+#: A site with too few distances for a conformal bound gets this factor times its largest
+#: (:func:`site_threshold`); the threshold is the median over sites (:func:`threshold_from_histograms`).
 SITE_MARGIN = 1.25
 
 #: Shrinkage of the pooled covariance towards ``trace / d * I`` (0: none, 1: identity-scaled).
@@ -84,6 +94,11 @@ DISTANCE_EDGES: np.ndarray = np.logspace(-2, 6, 801)
 #: How a FedSM bundle picks an image's site: the trained selector and gamma (the paper's
 #: Algorithm 2), or the gate's nearest site (:func:`route_by_style`).
 SITE_ROUTINGS = ("selector", "style")
+
+#: Parts of the server's fitted gate a site receives in the last round: what it needs to score its
+#: images (``means``, ``precision``, ``sites``) and to refit the gate without one of its training
+#: cases (``dof``: the pooled within-site degrees of freedom, ``shrinkage``).
+SITE_GATE_KEYS = ("means", "precision", "sites", "dof", "shrinkage")
 
 #: Server-state and payload part names.
 STATS_PART = "style_stats"
@@ -189,7 +204,10 @@ def fit_style_gate(stats: Sequence[Mapping[str, torch.Tensor] | None],
     -------
     dict
         ``means (K', d)``, ``precision (d, d)`` and ``sites (K',)`` (routing indices 0-based of the
-        sites present), float64 / int64. Empty when no site has sent statistics.
+        sites present), float64 / int64; ``dof (1,)`` (training images less sites: the pooled
+        covariance divides by the larger of it and 1) and ``shrinkage (1,)``, with which a site refits
+        the gate without one of its cases (:func:`leave_one_case_out_distances`). Empty when no site
+        has sent statistics.
     """
     present = [(k, s) for k, s in enumerate(stats) if s is not None]
     if not present:
@@ -198,16 +216,136 @@ def fit_style_gate(stats: Sequence[Mapping[str, torch.Tensor] | None],
     sums = np.stack([s["sum"].double().numpy() for _, s in present])
     outers = np.stack([s["outer"].double().numpy() for _, s in present])
     means = sums / counts[:, None]
-    d = means.shape[1]
     # within-site scatter: sum_k (outer_k - n_k mu_k mu_k^T); pooled over sites like LDA's covariance
     scatter = (outers - counts[:, None, None] * np.einsum("ki,kj->kij", means, means)).sum(0)
-    dof = max(float(counts.sum()) - len(present), 1.0)
-    cov = (scatter + scatter.T) / (2 * dof)
+    dof = float(counts.sum()) - len(present)
+    return {"means": torch.from_numpy(means),
+            "precision": torch.from_numpy(_shrunk_precision(scatter, dof, shrinkage)),
+            "sites": torch.tensor([k for k, _ in present], dtype=torch.int64),
+            "dof": torch.tensor([dof], dtype=torch.float64),
+            "shrinkage": torch.tensor([float(shrinkage)], dtype=torch.float64)}
+
+
+def _shrunk_precision(scatter: np.ndarray, dof: float, shrinkage: float) -> np.ndarray:
+    """Inverse of the pooled covariance ``scatter / max(dof, 1)`` shrunk towards ``trace / d * I``."""
+    d = scatter.shape[0]
+    cov = (scatter + scatter.T) / (2 * max(dof, 1.0))
     scale = max(float(np.trace(cov)) / d, 1e-12)
-    shrunk = (1 - shrinkage) * cov + shrinkage * scale * np.eye(d)
-    precision = np.linalg.inv(shrunk)
-    return {"means": torch.from_numpy(means), "precision": torch.from_numpy((precision + precision.T) / 2),
-            "sites": torch.tensor([k for k, _ in present], dtype=torch.int64)}
+    precision = np.linalg.inv((1 - shrinkage) * cov + shrinkage * scale * np.eye(d))
+    return (precision + precision.T) / 2
+
+
+def _pooled_scatter(precision: np.ndarray, dof: float, shrinkage: float) -> np.ndarray:
+    """The pooled within-site scatter a gate was fitted from, recovered from its precision.
+
+    The shrinkage keeps the trace (``trace(shrunk) = trace(cov)``), so ``cov = (shrunk - shrinkage *
+    trace / d * I) / (1 - shrinkage)`` and ``scatter = max(dof, 1) * cov``.
+    """
+    d = precision.shape[0]
+    shrunk = np.linalg.inv(precision)
+    shrunk = (shrunk + shrunk.T) / 2
+    cov = (shrunk - shrinkage * float(np.trace(shrunk)) / d * np.eye(d)) / (1 - shrinkage)
+    return max(dof, 1.0) * cov
+
+
+def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gate: Mapping[str, object],
+                                 site: int) -> np.ndarray:
+    """Each training image's distance under the gate refitted without its case, times ``(m^2 - 1) / m^2``.
+
+    Computed at the site from its own descriptors and the gate it received; only a histogram of the
+    result leaves it.
+
+    Parameters
+    ----------
+    descriptors
+        ``(N, d)`` descriptors of the site's training images (the images its descriptor sums came from).
+    cases
+        ``(N,)`` case of each image (all slices of a volume share one); a case is left out whole.
+    gate
+        ``means``, ``precision``, ``sites`` and, for the refit of the pooled covariance, ``dof`` and
+        ``shrinkage`` (:data:`SITE_GATE_KEYS`); without those two only the site's mean is refitted.
+    site
+        The site's routing index (0-based).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``float64 (N',)``: squared Mahalanobis distance of every image of every left-out case to the
+        nearest site mean of the refitted gate (the site's mean without the case, the other sites'
+        means as they are, the pooled covariance without the case's scatter), scaled by
+        ``(m^2 - 1) / m^2`` for a site with ``m`` training cases: a new case's expected distance to
+        a mean of ``m`` cases against ``m - 1`` (``1 + 1/m`` against ``1 + 1/(m - 1)``). Empty
+        when the site holds fewer than two cases (leaving its only case out leaves it no mean).
+        When the gate does not hold the site (it sent no statistics) the gate never saw these
+        images, and their plain distances are returned.
+    """
+    f = np.asarray(descriptors, dtype=np.float64)
+    cases = np.asarray(cases)
+    if len(cases) != len(f):
+        raise ConfigError(f"{len(f)} training descriptors but {len(cases)} case ids")
+    sites = np.asarray(_array(gate["sites"]), dtype=np.int64)
+    if site not in sites.tolist():
+        return style_distances(f, gate)[0]
+    ids = np.unique(cases)
+    m = len(ids)
+    if m < 2:
+        return np.zeros(0)
+    means = np.asarray(_array(gate["means"]), dtype=np.float64)
+    precision = np.asarray(_array(gate["precision"]), dtype=np.float64)
+    row = sites.tolist().index(site)
+    refit = "dof" in gate and "shrinkage" in gate
+    if refit:
+        dof = float(np.asarray(_array(gate["dof"]), dtype=np.float64).reshape(-1)[0])
+        shrinkage = float(np.asarray(_array(gate["shrinkage"]), dtype=np.float64).reshape(-1)[0])
+        refit = shrinkage < 1.0  # a fully shrunk gate does not tell its covariance
+    if refit:
+        # the pooled scatter less this site's own, which the loop below replaces case by case
+        mean = f.mean(0)
+        others = _pooled_scatter(precision, dof, shrinkage) - (f - mean).T @ (f - mean)
+    n, total, outer = len(f), f.sum(0), f.T @ f
+    factor = (m * m - 1.0) / (m * m)
+    out = []
+    for case in ids:
+        held = cases == case
+        fc = f[held]
+        kept = n - len(fc)
+        loo_mean = (total - fc.sum(0)) / kept
+        loo_means = means.copy()
+        loo_means[row] = loo_mean
+        loo_precision = precision
+        if refit:
+            own = outer - fc.T @ fc - kept * np.outer(loo_mean, loo_mean)
+            loo_precision = _shrunk_precision(others + own, dof - len(fc), shrinkage)
+        dist, _ = style_distances(fc, {"means": loo_means, "precision": loo_precision, "sites": sites})
+        out.append(factor * dist)
+    return np.concatenate(out)
+
+
+def calibration_distances(gate: Mapping[str, object], site: int, train_images: np.ndarray,
+                          train_cases: np.ndarray, validation_images: np.ndarray | None = None) -> np.ndarray:
+    """The distances a site's last-round histogram counts: every image the gate has not seen.
+
+    Its validation images' distances under ``gate``, and its training images' leave-one-case-out
+    distances (:func:`leave_one_case_out_distances`). A site without validation images thus sends
+    honest distances of its training cases, not their distances to a mean and covariance fitted to
+    them (0 for a site with one training image); a site with one training case and no validation
+    image sends none (the server leaves it out of the threshold).
+
+    Parameters
+    ----------
+    gate
+        The gate the site received (:data:`SITE_GATE_KEYS`).
+    site
+        The site's routing index (0-based).
+    train_images, train_cases
+        The site's training images (as its descriptor sums were computed) and their case ids.
+    validation_images
+        The site's validation images, or ``None`` / empty.
+    """
+    parts = [leave_one_case_out_distances(style_descriptors(train_images), train_cases, gate, site)]
+    if validation_images is not None and len(validation_images):
+        parts.insert(0, style_distances(style_descriptors(validation_images), gate)[0])
+    return np.concatenate(parts)
 
 
 def style_distances(descriptors: np.ndarray, gate: Mapping[str, object]) -> tuple[np.ndarray, np.ndarray]:
@@ -257,23 +395,44 @@ def histogram_quantile(counts: np.ndarray, quantile: float) -> float:
     return float(DISTANCE_EDGES[reach]) if reach < len(DISTANCE_EDGES) else float("inf")
 
 
+def site_threshold(counts: np.ndarray, quantile: float, margin: float = SITE_MARGIN) -> float:
+    """One site's threshold from its distance histogram: a conformal bound, or ``margin`` x its largest.
+
+    With ``n`` distances of images the gate has not seen (:func:`calibration_distances`), a new image
+    of the site lies at or below the ``ceil(quantile * (n + 1))``-th smallest of them with
+    probability at least ``quantile`` (split conformal prediction; exchangeable distances): the
+    upper edge of that distance's bin. Where ``n`` is too small for that rank (fewer than 19 at
+    0.95), the largest distance times ``margin``. ``inf`` when that bin is the overflow bin or the
+    histogram is empty.
+    """
+    counts = np.asarray(counts, dtype=np.float64)
+    n = float(counts.sum())
+    if n <= 0:
+        return float("inf")
+    rank = math.ceil(quantile * (n + 1) - 1e-9)
+    factor = 1.0 if rank <= n else margin
+    reach = int(np.searchsorted(np.cumsum(counts), min(rank, n) - 1e-9, side="left"))
+    return float(factor * DISTANCE_EDGES[reach]) if reach < len(DISTANCE_EDGES) else float("inf")
+
+
 def threshold_from_histograms(hists: Sequence[Mapping[str, torch.Tensor]], quantile: float,
                               margin: float = SITE_MARGIN) -> float:
-    """The gate's threshold: ``margin`` x the median over sites of each site's ``quantile`` distance.
+    """The gate's threshold: the median over sites of each site's :func:`site_threshold`.
 
-    Each site's quantile is read from its own histogram (sites without validation images are left
-    out). The median over sites, not one quantile of all images together, so that one site whose
-    validation images lie far from every training image (a site with one validation volume,
-    measured on prostate) cannot open the gate for everyone; the margin makes up for a per-site
-    quantile from a few images falling short of the site's true one (docs/results.md, "Style
-    routing"). ``inf`` (every image passes) when no site sent a validation image.
+    Each site's bound is read from its own histogram (sites that sent no distance are left out).
+    The median over sites, not one bound of all images together, so that one site whose images lie
+    far from every training image (a site with one validation volume, measured on prostate) cannot
+    open the gate for everyone. The rank bound needs no allowance; the margin makes up for a site
+    with too few distances for it, whose largest falls short of its true quantile (docs/results.md,
+    "Style routing" and "The gate on real photos and few cases"). ``inf`` (every image passes) when
+    no site sent a distance.
     """
     check_quantile(quantile)
-    edges = [histogram_quantile(h["counts"].double().numpy(), quantile) for h in hists
+    edges = [site_threshold(h["counts"].double().numpy(), quantile, margin) for h in hists
              if float(h["counts"].sum()) > 0]
     if not edges:
         return float("inf")
-    return float(margin * np.median(edges))
+    return float(np.median(edges))
 
 
 def check_quantile(quantile: float) -> float:
