@@ -27,6 +27,22 @@ def single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def restore_root_logging() -> Iterator[None]:
+    """Remove the logging handlers a test added to the root logger (a CLI ``main()`` run in-process adds
+    one bound to the test's captured stderr, which is closed afterwards: every later log line of the
+    same worker then printed a '--- Logging error ---' traceback)."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
+
+
 @pytest.fixture
 def tiny_training():
     from engine.fl.local_training import LocalTrainingConfig

@@ -77,7 +77,9 @@ from engine.fl.selector_training import (
 from engine.fl.style_gate import (
     GATE_PART,
     HIST_PART,
+    SITE_GATE_KEYS,
     STATS_PART,
+    calibration_distances,
     check_distance_histogram,
     check_quantile,
     check_site_routing,
@@ -558,7 +560,7 @@ class FedSM(FederatedMethod):
             if personal is not None:
                 weights["personal"] = personal
             if style and state.get(GATE_PART):
-                weights[GATE_PART] = {k: v for k, v in state[GATE_PART].items() if k in ("means", "precision", "sites")}
+                weights[GATE_PART] = {k: v for k, v in state[GATE_PART].items() if k in SITE_GATE_KEYS}
             return SiteInstructions(rnd, weights, {"phase": "calibrate", "calibration": self.selector_calibration})
         if phase == "selector":
             return SiteInstructions(rnd, {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]},
@@ -779,9 +781,13 @@ class FedSM(FederatedMethod):
             if self.gamma_pass is not None or self.compares_routings:
                 parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
         if GATE_PART in w:
-            distances, nearest = style_distances(style_descriptors(images), w[GATE_PART])
-            parts[HIST_PART] = distance_histogram(distances)
+            # images the gate has not seen: the validation images, and each training case under the gate
+            # refitted without it (engine.fl.style_gate.calibration_distances); only the histogram leaves the site
+            parts[HIST_PART] = distance_histogram(calibration_distances(
+                w[GATE_PART], site.index, site.train.images, site.train.case_ids,
+                val.images if val is not None else None))
             if self.compares_routings:
+                _, nearest = style_distances(style_descriptors(images), w[GATE_PART])
                 parts[ROUTING_PART] = style_routing_statistics(nearest, site.index)
         return SiteUpdate(parts, n, metrics)
 
