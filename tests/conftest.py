@@ -64,6 +64,28 @@ SERIAL_GROUP_DIRS = ("tests/federation/",)
 LONG_TIMEOUT_S = 600
 
 
+#: Hard bound on the whole session, in the controlling process: after this many seconds it prints every
+#: thread's stack and exits with status 1, whatever is stuck (a test, a worker, pytest-xdist itself).
+#: A normal run takes 6-10 minutes on 2 cores and up to ~25 on a busy machine; CI allows 90.
+SESSION_LIMIT_S = 45 * 60
+
+
+def pytest_configure(config):
+    """Start the session's watchdog in the controlling process (not in pytest-xdist's workers)."""
+    import faulthandler
+    import sys
+
+    if not hasattr(config, "workerinput"):
+        faulthandler.dump_traceback_later(SESSION_LIMIT_S, exit=True, file=sys.__stderr__)
+
+
+def pytest_unconfigure(config):
+    import faulthandler
+
+    if not hasattr(config, "workerinput"):
+        faulthandler.cancel_dump_traceback_later()
+
+
 def pytest_collection_modifyitems(config, items):
     """Give the federation and slow tests their longer bound unless a test sets its own."""
     for item in items:
