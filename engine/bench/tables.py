@@ -257,20 +257,21 @@ def choose_rule(results: Results, tasks: Iterable[str], rules: Iterable[str]) ->
     FedAvg ran are ranked. ``meets`` says whether a rule is above FedAvg on every fundus seed and
     within :data:`PROSTATE_MARGIN` on every prostate seed.
     """
-    tasks = list(tasks)
+    rules = list(rules)
+    by_task = {t: {r["rule"]: r for r in rule_paired_rows(results, t, rules)} for t in tasks}
     ranked: list[dict[str, Any]] = []
-    for rule in ("softpull", *[r for r in rules if r != "softpull"]):
+    for rule in next(iter(by_task.values()), {}):
         per_task, complete, meets = {}, True, True
-        for task in tasks:
-            row = next(r for r in rule_paired_rows(results, task, [rule]) if r["rule"] == rule)
-            expected = set(_select(results, task, "main", "fedavg"))
-            if not row["vs_fedavg"] or set(row["vs_fedavg"]) != expected:
+        for task, rows in by_task.items():
+            diffs = rows[rule]["vs_fedavg"]
+            if not diffs or set(diffs) != set(_select(results, task, "main", "fedavg")):
                 complete = False
                 break
-            diffs = list(row["vs_fedavg"].values())
-            per_task[task] = float(np.mean(diffs))
-            floor = 0.0 if task == "fundus" else PROSTATE_MARGIN
-            meets = meets and (all(d > floor for d in diffs) if task == "fundus" else all(d >= floor for d in diffs))
+            per_task[task] = float(np.mean(list(diffs.values())))
+            if task == "fundus":
+                meets = meets and all(d > 0 for d in diffs.values())
+            else:
+                meets = meets and all(d >= PROSTATE_MARGIN for d in diffs.values())
         if complete:
             ranked.append({"rule": rule, "score": float(np.mean(list(per_task.values()))), "per_task": per_task,
                            "meets": meets})

@@ -42,7 +42,7 @@ from engine.fl.personalization import (
     PersonalizationConfig,
     check_personalization,
     personalized_model,
-    pfedme_server_update,
+    shared_model_update,
     train_personalized_round,
 )
 from engine.fl.routing_choice import (
@@ -750,11 +750,9 @@ class FedSM(FederatedMethod):
         if self.softpull:
             for site, weights in soft_pull({s: u.weights["personal"] for s, u in updates.items()}, self.lam).items():
                 new[f"personal/{site}"] = weights
-        elif self.personalization == "perfedavg":
-            new["shared"] = fedavg([(u.weights["personal"], u.num_samples) for u in updates.values()])
-        elif self.personalization == "pfedme":
-            new["shared"] = pfedme_server_update(state["shared"], [u.weights["personal"] for u in updates.values()],
-                                                 self.pcfg.pfedme_beta)
+        elif self.personalization in SHARED_TRACK_RULES:
+            answers = [(u.weights["personal"], u.num_samples) for u in updates.values()]
+            new["shared"] = shared_model_update(self.personalization, state["shared"], answers, self.pcfg)
 
     def _statistics_update(self, instructions: SiteInstructions, site: SiteRuntime,
                            labels: np.ndarray) -> SiteUpdate:

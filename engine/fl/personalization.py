@@ -212,6 +212,21 @@ def first_order_maml_gradient(net: torch.nn.Module, loss_fn: LossFn, batch_a: An
     return {n: g.detach() for n, g in zip(adapted, meta, strict=True)}
 
 
+def shared_model_update(rule: str, shared: Mapping[str, torch.Tensor],
+                        answers: Sequence[tuple[Mapping[str, torch.Tensor], int]],
+                        pcfg: PersonalizationConfig) -> Weights | None:
+    """The server's step on the shared U-Net of a rule in :data:`SHARED_TRACK_RULES`, from the
+    answering sites' ``(weights, sample count)``: Per-FedAvg averages its meta-model (FedAvg),
+    pFedMe mixes (:func:`pfedme_server_update`); ``None`` for rules without a shared model."""
+    if rule == "perfedavg":
+        from engine.fl.aggregation import fedavg
+
+        return fedavg(answers)
+    if rule == "pfedme":
+        return pfedme_server_update(shared, [w for w, _ in answers], pcfg.pfedme_beta)
+    return None
+
+
 def pfedme_objective(net: torch.nn.Module, loss: torch.Tensor, w_local: Mapping[str, torch.Tensor],
                      lam: float) -> torch.Tensor:
     """pFedMe's inner objective ``f(theta) + lam/2 ||theta - w_local||^2``."""
