@@ -94,6 +94,18 @@ class SiteWorker:
                                             fundus_crop=fundus_crop)
         return self._data[key]
 
+    def addressed_instructions(self, content: Any, what: str = "message") -> Any:
+        """Decode a message's instructions; refuse one addressed to another site, or whose run settings
+        differ from the ones the coordinator signed for this run."""
+        ins = records.decode_instructions(content)
+        if ins.site != self.cfg.name:
+            raise ConfigError(f"the coordinator addressed this {what} to site {ins.site!r}, but this is "
+                              f"{self.cfg.name!r}; check the site name enrolled for this key")
+        if self.signed_spec is not None and ins.spec_json != self.signed_spec:
+            raise ConfigError(f"the {what}'s run settings differ from the ones the coordinator signed for this run; "
+                              "refusing it")
+        return ins
+
     def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:
         from engine.federation.spec import MethodSpec, build_method
 
@@ -118,13 +130,7 @@ class SiteWorker:
         from engine.fl.methods import SiteRuntime
 
         received_at = time.monotonic()
-        ins = records.decode_instructions(content)
-        if ins.site != self.cfg.name:
-            raise ConfigError(f"the coordinator addressed this message to site {ins.site!r}, but this is "
-                              f"{self.cfg.name!r}; check the site name enrolled for this key")
-        if self.signed_spec is not None and ins.spec_json != self.signed_spec:
-            raise ConfigError("the message's run settings differ from the ones the coordinator signed for this run; "
-                              "refusing it")
+        ins = self.addressed_instructions(content)
         method, spec = self.method(ins.spec_json)
         rnd, total = ins.round, ins.rounds
         self.events.emit("received", round=rnd, rounds=total, method=ins.method, bytes=records.record_bytes(content),

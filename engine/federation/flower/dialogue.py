@@ -477,13 +477,7 @@ def receive_final(worker: Any, content: RecordDict) -> RecordDict:
     from engine.fl.methods import SiteRuntime
     from engine.fl.weights import all_finite
 
-    ins = records.decode_instructions(content)
-    if ins.site != worker.cfg.name:
-        raise ConfigError(f"the coordinator addressed its final models to site {ins.site!r}, but this is "
-                          f"{worker.cfg.name!r}")
-    if worker.signed_spec is not None and ins.spec_json != worker.signed_spec:
-        raise ConfigError("the final message's run settings differ from the ones the coordinator signed for this "
-                          "run; refusing it")
+    ins = worker.addressed_instructions(content, "final message")
     method, spec = worker.method(ins.spec_json)
     declared = getattr(method, "FINAL_CONTENTS", {})
     if not isinstance(method, ExchangeMethod) or not declared:
