@@ -87,16 +87,6 @@ class DemoSettings:
             raise ConfigError(f"photo_size ({self.photo_size}) must be at least image_size ({self.image_size})")
 
 
-def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _read_manifest(folder: Path, settings: DemoSettings, files: tuple[str, ...]) -> dict[str, Any] | None:
     """``folder``'s manifest when it describes a complete demo with these settings, else ``None``."""
     try:
@@ -110,7 +100,9 @@ def _read_manifest(folder: Path, settings: DemoSettings, files: tuple[str, ...])
     if not isinstance(names, dict) or not all(isinstance(names.get(k), str) and (folder / names[k]).is_file()
                                                for k in files):
         return None
-    if _file_sha256(folder / names["bundle"]) != manifest.get("bundle_sha256"):
+    from engine.bundle import file_sha256
+
+    if file_sha256(folder / names["bundle"]) != manifest.get("bundle_sha256"):
         log.warning("demo super model in %s does not match its manifest; not using it", folder)
         return None
     return manifest
