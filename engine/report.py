@@ -35,8 +35,9 @@ def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str,
     if "fedsm" in out:
         # the reference selector ships its Adam moments with it: the head counts three times
         copies = 1 if getattr(cfg, "selector_calibration", "none") == "lda" else 3
-        extra = 4 * copies * (head_parameter_count("classic", num_sites)
-                              - head_parameter_count(cfg.selector_head, num_sites))
+        width = getattr(cfg, "selector_width", 64)
+        extra = 4 * copies * (head_parameter_count("classic", num_sites, width)
+                              - head_parameter_count(cfg.selector_head, num_sites, width))
         if cfg.selector_head == "classic":
             extra = 0
         out["fedsm_classic_selector_head"] = {

@@ -58,6 +58,7 @@ class SimulationConfig:
     selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
+    selector_width: int = 64
     prox_mu: float = 0.01
     extra_rounds: int | None = None
     #: FedIOD (engine.fl.fediod): distillation steps per round, generated images per step,
@@ -119,7 +120,7 @@ class SimulationConfig:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
-        from engine.fl.selector_training import check_calibration
+        from engine.fl.selector_schemes import check_calibration
 
         check_calibration(self.selector_calibration)
         from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
@@ -153,14 +154,15 @@ class SimulationConfig:
         """Local training settings; ``per_batch_selector`` for methods that keep the per-batch selector
         (FedSM-extra, the personalization variants), whose default selector lr is the small one."""
         from engine.fl.local_training import LocalTrainingConfig
-        from engine.fl.selector_training import default_selector_lr
+        from engine.fl.selector_schemes import default_selector_lr
 
         scheme = "lda" if per_batch_selector else self.selector_calibration
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                    selector_lr=default_selector_lr(scheme, self.selector_lr),
                                    selector_size=self.selector_size, selector_epochs=self.selector_epochs,
                                    selector_bn=self.selector_bn,
-                                   selector_head=self.selector_head, prox_mu=self.prox_mu, device=self.device,
+                                   selector_head=self.selector_head, selector_width=self.selector_width,
+                                   prox_mu=self.prox_mu, device=self.device,
                                    lr_schedule=self.lr_schedule, lr_min_ratio=self.lr_min_ratio, loss=self.loss)
 
 
@@ -531,7 +533,8 @@ class Simulation:
         meta = BundleMetadata(
             task=self.task.name, label_names=list(self.task.label_names), in_channels=self.task.in_channels,
             image_size=self.cfg.image_size, selector_size=self.cfg.selector_size,
-            selector_head=self.cfg.selector_head, normalisation=self.task.normalisation,
+            selector_head=self.cfg.selector_head, selector_width=self.cfg.selector_width,
+            normalisation=self.task.normalisation,
             site_names=[s.name for s in self.sites], method=method.name,
             routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
             personalization=getattr(method, "personalization", "softpull"),

@@ -51,17 +51,21 @@ def tiny_training():
 
 
 
-#: Tests that start federation processes (SuperLink, SuperNodes, sites) or time them run one after
-#: another on a single pytest-xdist worker, never beside each other, while the other worker takes
-#: the rest of the suite (``-n 2`` in pyproject.toml). Every other module also stays on one worker
-#: (a fuzz module's last test checks what its other tests counted).
-SERIAL_GROUP_DIRS = ("tests/federation/",)
+#: Test files that start whole loopback federations (a coordinator, its SuperLink, and a SuperNode and
+#: site process per site: ~8 processes importing torch, MONAI and Flower) run one after another on a
+#: single pytest-xdist worker, never two federations beside each other on CI's 2 cores; the other
+#: worker takes the rest of the suite (``-n 2`` in pyproject.toml), including the in-process federation
+#: tests. Every other module also stays on one worker (a fuzz module's last test checks what its
+#: other tests counted). A new end-to-end federation test belongs in a ``test_loopback_*.py`` file.
+SERIAL_GROUP_PREFIXES = ("tests/federation/test_loopback_",)
 
 #: pytest-timeout's bound for a test that starts federation processes or is marked ``slow`` (the
 #: default, ``timeout`` in pyproject.toml, bounds every other test). Generous: these tests wait on
 #: SuperLink, SuperNodes and several rounds of training, and on a busy 2-core machine take several
 #: times their idle duration; a hang still ends well inside CI's 90 minutes.
 LONG_TIMEOUT_S = 600
+#: Folders whose tests all get :data:`LONG_TIMEOUT_S` (the federation's, in-process or not, wait on rounds).
+LONG_TIMEOUT_DIRS = ("tests/federation/",)
 
 
 #: Hard bound on the whole session, in the controlling process: after this many seconds it prints every
@@ -71,12 +75,24 @@ SESSION_LIMIT_S = 45 * 60
 
 
 def pytest_configure(config):
-    """Start the session's watchdog in the controlling process (not in pytest-xdist's workers)."""
+    """In the controlling process (not in pytest-xdist's workers): start the session's watchdog, and
+    byte-compile the project once.
+
+    The suite starts ~150 Python processes (sites, coordinators, CLI runs). Where
+    ``PYTHONDONTWRITEBYTECODE`` is set, as on CI's machines, none of them caches what it compiles, so
+    each one compiled the engine's sources again (~0.8 CPU-s a process); compiled once here, they all
+    load the cached bytecode. Installed packages are compiled by pip already.
+    """
+    import compileall
     import faulthandler
     import sys
+    from pathlib import Path
 
     if not hasattr(config, "workerinput"):
         faulthandler.dump_traceback_later(SESSION_LIMIT_S, exit=True, file=sys.__stderr__)
+        root = Path(__file__).resolve().parents[1]
+        for package in ("engine", "fedsm_gui"):
+            compileall.compile_dir(root / package, quiet=1)
 
 
 def pytest_unconfigure(config):
@@ -89,21 +105,21 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
     """Give the federation and slow tests their longer bound unless a test sets its own."""
     for item in items:
-        long = item.nodeid.startswith(SERIAL_GROUP_DIRS) or item.get_closest_marker("slow") is not None
+        long = item.nodeid.startswith(LONG_TIMEOUT_DIRS) or item.get_closest_marker("slow") is not None
         if long and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(LONG_TIMEOUT_S))
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's per-file scheduling, with all of ``SERIAL_GROUP_DIRS`` as one scope."""
+    """pytest-xdist's per-file scheduling, with all files of ``SERIAL_GROUP_PREFIXES`` as one scope."""
     from xdist.scheduler import LoadFileScheduling
 
     class FederationTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            for folder in SERIAL_GROUP_DIRS:
-                if nodeid.startswith(folder):
-                    return folder
+            for prefix in SERIAL_GROUP_PREFIXES:
+                if nodeid.startswith(prefix):
+                    return prefix
             return super()._split_scope(nodeid)
 
     return FederationTogether(config, log)

@@ -168,7 +168,7 @@ PRESETS: dict[str, BenchPreset] = {
         tasks=(TaskPreset("fundus", sites=3, image_size=32, rounds=1, lam=0.7),
                TaskPreset("prostate", sites=3, image_size=32, rounds=1, slices=6, lam=0.5)),
         seeds=(0, 1), batch_size=8, lam_values=(0.2,), gammas=(0.0, 0.6, 1.0), unseen_site=3,
-        personalizations=("apfl", "pfedme"), analysis_seeds=(0,),
+        personalizations=("apfl",), analysis_seeds=(0,),
         perf_image_size=32, perf_batches=1, perf_repeats=1, perf_memory=False,
     ),
     "cpu-small": BenchPreset(

@@ -35,6 +35,7 @@ METADATA_SCHEMA: dict[str, Any] = {
         "selector_size": _INT,
         "site_names": {"type": "array", "items": _STRING, "minItems": 1, "maxItems": 1000},
         "selector_head": _STRING,
+        "selector_width": _INT,
         "normalisation": _STRING,
         "method": _STRING,
         "routing": _STRING,

@@ -55,6 +55,9 @@ ROUTINGS = ("gamma", "argmax", "none")
 #: single-model bundles do not route.
 ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
 SELECTOR_HEADS = ("gap", "classic")
+#: Selector backbone widths (:data:`engine.models.selector.SELECTOR_WIDTHS`, repeated here so that reading a
+#: bundle's metadata needs no torch; tests/bundle check that the two agree).
+SELECTOR_WIDTHS = (8, 16, 32, 64)
 #: How a FedSM bundle's personalized models were trained: SoftPull (the paper's) or one of the
 #: alternatives of its Table 6, trained inside FedSM (:mod:`engine.fl.personalization`).
 PERSONALIZATION_RULES = ("softpull", "finetune", "apfl", "perfedavg", "pfedme")
@@ -107,6 +110,9 @@ class BundleMetadata:
         personalized model, model 0 is the global model.
     selector_head
         ``"gap"`` or ``"classic"`` (see :class:`engine.models.ModelSelector`).
+    selector_width
+        The selector backbone's first convolution width (64, the paper's VGG-11, in bundles
+        written before the setting existed).
     normalisation
         Intensity scaling applied before the networks (the task's, e.g. ``"rgb/255"``).
     method
@@ -163,6 +169,7 @@ class BundleMetadata:
     selector_size: int
     site_names: list[str]
     selector_head: str = "gap"
+    selector_width: int = 64
     normalisation: str = ""
     method: str = "fedsm"
     routing: str = "gamma"
@@ -249,6 +256,8 @@ class BundleMetadata:
             )
         if self.selector_head not in SELECTOR_HEADS:
             raise ConfigError(f"selector_head must be one of {SELECTOR_HEADS}, got {self.selector_head!r}")
+        if _not_int(self.selector_width) or self.selector_width not in SELECTOR_WIDTHS:
+            raise ConfigError(f"selector_width must be one of {SELECTOR_WIDTHS}, got {self.selector_width!r}")
         if self.normalisation != task.normalisation:
             raise ConfigError(
                 f"normalisation {self.normalisation!r} does not match task {task.name!r} "

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
+    p.add_argument("--selector-width", type=int, choices=[8, 16, 32, 64], default=64,
+                   help="the selector's VGG-11 backbone width (the paper's 64; narrower ones send a fraction of its "
+                        "bytes: 16 holds 1/16 of the parameters)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", dest="options",
                    help="a dialogue method's setting, e.g. blackfed_client_epochs=4 (repeatable)")
     p.add_argument("--prox-mu", type=float, default=0.01)
@@ -283,7 +286,8 @@ def _run(args: argparse.Namespace) -> int:
                     gamma=args.gamma, gamma_pass=args.gamma_pass, epochs=args.epochs, batch_size=args.batch_size,
                     lr=args.lr,
                     selector_lr=args.selector_lr, selector_size=args.selector_size,
-                    selector_head=args.selector_head, prox_mu=args.prox_mu, extra_rounds=args.extra_rounds,
+                    selector_head=args.selector_head, selector_width=args.selector_width, prox_mu=args.prox_mu,
+                    extra_rounds=args.extra_rounds,
                     lr_schedule=args.lr_schedule, lr_min_ratio=args.lr_min_ratio, loss=args.loss,
                     keep_best=args.keep_best,
                     fediod_steps=args.fediod_steps, fediod_batch=args.fediod_batch,

@@ -16,6 +16,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from engine.bundle.supermodel import SELECTOR_WIDTHS
 from engine.errors import ConfigError
 
 #: Methods a federation can run over the network.
@@ -44,6 +45,7 @@ class MethodSpec:
     selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
+    selector_width: int = 64
     lr_schedule: str = "constant"
     lr_min_ratio: float = 0.01
     loss: str = "dice"
@@ -90,7 +92,7 @@ class MethodSpec:
         for name in ("rounds", "epochs", "batch_size", "image_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        from engine.fl.selector_training import check_calibration
+        from engine.fl.selector_schemes import check_calibration
 
         check_calibration(self.selector_calibration)
         from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
@@ -116,6 +118,9 @@ class MethodSpec:
             raise ConfigError(f"routing_guard must be true or false, got {self.routing_guard!r}")
         if self.selector_head not in ("gap", "classic"):
             raise ConfigError(f"selector_head must be 'gap' or 'classic', got {self.selector_head!r}")
+        if isinstance(self.selector_width, bool) or self.selector_width not in SELECTOR_WIDTHS:
+            raise ConfigError(f"selector_width must be one of {SELECTOR_WIDTHS} (the paper's VGG-11 is 64), "
+                              f"got {self.selector_width!r}")
         # the same defaults as `fedsm simulate`: the paper's lam, raised to 1/K for few sites
         if self.lam is None:
             object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
@@ -183,7 +188,7 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     from engine.fl import methods as m
     from engine.fl.local_training import LocalTrainingConfig
     from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
-    from engine.fl.selector_training import default_selector_lr
+    from engine.fl.selector_schemes import default_selector_lr
     from engine.tasks import get_task
 
     task = get_task(spec.task)
@@ -197,7 +202,8 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
                                    selector_lr=default_selector_lr(scheme, spec.selector_lr),
                                    selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
                                    selector_bn=spec.selector_bn,
-                                   selector_head=spec.selector_head, prox_mu=spec.prox_mu, device=device,
+                                   selector_head=spec.selector_head, selector_width=spec.selector_width,
+                                   prox_mu=spec.prox_mu, device=device,
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
     if spec.method == "fedprox":
         return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)

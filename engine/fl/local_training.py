@@ -118,6 +118,9 @@ class LocalTrainingConfig:
         Side in pixels of the images the selector sees.
     selector_head
         ``"gap"`` (default) or ``"classic"`` (VGG's 25088-4096-4096 head, comparison only).
+    selector_width
+        The selector backbone's first convolution width (the paper's 64 by default; 8, 16 or 32
+        for a narrower VGG-11, :mod:`engine.models.selector`).
     selector_epochs
         Reference scheme: passes over the site's images per round, one Adam step after each
         (the reference's ``fedsm_select_epochs``, default 1: one step per round).
@@ -155,6 +158,7 @@ class LocalTrainingConfig:
     selector_lr: float = 1e-3
     selector_size: int = 32
     selector_head: str = "gap"
+    selector_width: int = 64
     selector_optimizer: str = "adam"
     selector_epochs: int = 1
     selector_bn: str = "batch"
@@ -165,6 +169,11 @@ class LocalTrainingConfig:
     loss: str = "dice"
 
     def __post_init__(self) -> None:
+        from engine.models.selector import SELECTOR_WIDTHS
+
+        if self.selector_width not in SELECTOR_WIDTHS:
+            raise ConfigError(f"selector_width must be one of {SELECTOR_WIDTHS} (the paper's VGG-11 is 64), "
+                              f"got {self.selector_width!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"unknown lr_schedule {self.lr_schedule!r}; choose from {', '.join(LR_SCHEDULES)}")
         if not 0.0 < self.lr_min_ratio <= 1.0:
@@ -295,7 +304,8 @@ def _segmentation_learner(task: TaskSpec, weights: Mapping[str, torch.Tensor], l
 
 def _selector_learner(task: TaskSpec, weights: Mapping[str, torch.Tensor], num_classes: int,
                       cfg: LocalTrainingConfig, device: Device) -> _Learner:
-    net = build_selector(task.in_channels, num_classes, cfg.selector_head)  # type: ignore[arg-type]
+    net = build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
+                         cfg.selector_width)
     net.load_state_dict(weights)
     net.train()
     freeze_batchnorm_statistics(net)

@@ -63,10 +63,10 @@ from engine.fl.selector_calibration import (
     penultimate_features,
 )
 from engine.fl.selector_gamma import check_histogram_statistics, check_pass_fraction, choose_gamma, histogram_statistics
+from engine.fl.selector_schemes import check_calibration
 from engine.fl.selector_training import (
     TEMPERATURE_GRID,
     apply_temperature,
-    check_calibration,
     check_temperature_statistics,
     fit_temperature,
     initial_optimizer_state,
@@ -200,8 +200,8 @@ class FederatedMethod(ABC):
 
     def _initial_selector(self, num_classes: int) -> Weights:
         torch.manual_seed(derived_seed(self.seed, "init", "selector"))
-        return model_weights(build_selector(self.task.in_channels, num_classes,
-                                            self.training.selector_head))  # type: ignore[arg-type]
+        return model_weights(build_selector(self.task.in_channels, num_classes,  # type: ignore[arg-type]
+                                            self.training.selector_head, self.training.selector_width))
 
     def round_training(self, rnd: int) -> LocalTrainingConfig:
         """:attr:`training` with round ``rnd``'s learning rate (the config's ``lr_schedule``).
@@ -726,7 +726,8 @@ class FedSM(FederatedMethod):
         return tuple(TEMPERATURE_GRID) if self.selector_calibration == "temperature" else (1.0,)
 
     def _selector_template(self) -> Any:
-        return build_selector(self.task.in_channels, self.num_selector_classes, self.training.selector_head)  # type: ignore[arg-type]
+        return build_selector(self.task.in_channels, self.num_selector_classes,  # type: ignore[arg-type]
+                              self.training.selector_head, self.training.selector_width)
 
     def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
         phase = self.phase(rnd)
@@ -1038,7 +1039,8 @@ def selector_statistics(task: TaskSpec, selector_weights: Mapping[str, torch.Ten
     from engine.fl.local_training import Device, selector_inputs
 
     device = Device.resolve(training.device)
-    net = build_selector(task.in_channels, num_classes, training.selector_head)  # type: ignore[arg-type]
+    net = build_selector(task.in_channels, num_classes, training.selector_head,  # type: ignore[arg-type]
+                         training.selector_width)
     net.load_state_dict(selector_weights)
     net.to(device.torch_device)
     small = torch.from_numpy(selector_inputs(images, training.selector_size)).to(device.torch_device)

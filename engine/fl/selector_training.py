@@ -50,11 +50,6 @@ if TYPE_CHECKING:
     from engine.fl.local_training import LocalTrainingConfig, RoundContext
     from engine.tasks import TaskSpec
 
-#: Ways to finish the selector after training (``--selector-calibration``).
-SELECTOR_CALIBRATIONS = ("none", "temperature", "lda")
-#: Selector learning rate per scheme when none is given: the paper's 1e-3 for the reference
-#: scheme, the old per-batch scheme's 1e-5 for ``lda``.
-DEFAULT_SELECTOR_LR = {"none": 1e-3, "temperature": 1e-3, "lda": 1e-5}
 #: Adam hyper-parameters of the reference (torch defaults).
 ADAM_BETAS = (0.9, 0.999)
 ADAM_EPS = 1e-8
@@ -64,18 +59,6 @@ STEP_KEY = "step"
 TEMPERATURE_GRID = tuple(float(t) for t in np.round(np.logspace(-1.0, 1.5, 51), 6))
 #: Keys of a site's temperature statistics.
 TEMPERATURE_KEYS = ("nll", "count")
-
-
-def check_calibration(name: str) -> str:
-    """Return ``name`` if it is a known selector calibration, else raise :class:`ConfigError`."""
-    if name not in SELECTOR_CALIBRATIONS:
-        raise ConfigError(f"unknown selector calibration {name!r}; choose one of {', '.join(SELECTOR_CALIBRATIONS)}")
-    return name
-
-
-def default_selector_lr(calibration: str, lr: float | None = None) -> float:
-    """``lr`` when given, else the scheme's default (:data:`DEFAULT_SELECTOR_LR`)."""
-    return float(lr) if lr is not None else DEFAULT_SELECTOR_LR[check_calibration(calibration)]
 
 
 # --- Adam state as a weight dict ------------------------------------------------------------
@@ -185,7 +168,8 @@ def reference_selector_round(
 
     device = Device.resolve(cfg.device)
     torch.manual_seed(seed)
-    net = build_selector(task.in_channels, num_classes, cfg.selector_head)  # type: ignore[arg-type]
+    net = build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
+                         cfg.selector_width)
     net.load_state_dict(selector_weights)
     net.to(device.torch_device).train()
     if cfg.selector_bn == "running" or len(images) < 2:  # one image has no batch statistics
@@ -232,7 +216,8 @@ def selector_logits(task: TaskSpec, selector_weights: Mapping[str, torch.Tensor]
     from engine.models import build_selector
 
     device = Device.resolve(cfg.device)
-    net = build_selector(task.in_channels, num_classes, cfg.selector_head)  # type: ignore[arg-type]
+    net = build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
+                         cfg.selector_width)
     net.load_state_dict(selector_weights)
     net.to(device.torch_device).eval()
     small = torch.from_numpy(selector_inputs(images, cfg.selector_size))

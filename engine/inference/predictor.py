@@ -165,11 +165,13 @@ class SuperModelPredictor:
         # A single-model bundle (FedAvg, FedProx, Scaffold) has no selector: every image goes to the global model.
         self.selector: nn.Module | None = None
         if not meta.single_model:
-            self.selector = build_selector(meta.in_channels, meta.selector_classes, meta.selector_head)  # type: ignore[arg-type]
+            self.selector = build_selector(meta.in_channels, meta.selector_classes,  # type: ignore[arg-type]
+                                           meta.selector_head, meta.selector_width)
             _fit_weights(
                 self.selector,
                 bundle.selector_weights,
-                f"model selector (VGG-11, {meta.selector_head} head, {meta.selector_classes} classes)",
+                f"model selector (VGG-11 width {meta.selector_width}, {meta.selector_head} head, "
+                f"{meta.selector_classes} classes)",
                 where,
             )
         for net in self._models():

@@ -107,7 +107,7 @@ class SiteBounds:
             value = spec.get(key)
             if key == "selector_lr" and value is None:
                 # unset: the selector scheme's default lr (engine.fl.selector_training), which is what trains
-                from engine.fl.selector_training import default_selector_lr
+                from engine.fl.selector_schemes import default_selector_lr
 
                 try:
                     value = default_selector_lr(str(spec.get("selector_calibration", "none")))
@@ -214,7 +214,7 @@ def describe(settings: Mapping[str, Any]) -> dict[str, Any]:
     spec = dict(settings.get("spec", {}))
     keys = ("method", "personalization", "task", "rounds", "epochs", "batch_size", "lr", "selector_lr",
             "image_size", "seed", "lam", "gamma", "prox_mu", "extra_rounds", "selector_size", "selector_head",
-            "site_names")
+            "selector_width", "site_names")
     shown = {k: spec[k] for k in keys if k in spec}
     return {**shown, "app_hash": settings.get("app_hash"), "session": settings.get("session"),
             "signed": bool(settings.get("signed"))}

@@ -97,7 +97,7 @@ def test_tiny_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         lam_rows = table_rows(md, f"### {task}: SoftPull lam sweep")
         assert [r[:2] for r in lam_rows] == [["0.20", "0.200 (< 1/K)"]]
         pers_rows = table_rows(md, f"### {task}: personalization inside FedSM")
-        assert [r[0] for r in pers_rows] == ["FedSM + SoftPull (FedSM)", "FedSM + APFL", "FedSM + pFedMe"]
+        assert [r[0] for r in pers_rows] == ["FedSM + SoftPull (FedSM)", "FedSM + APFL"]
         assert all(r[-1] == "0" for r in pers_rows)
     # every table says which machine made its jobs and when
     jobs_lines = re.findall(r"_Jobs behind [^:]+: (\d+), run on ([^;]+); finished ([^._]+)", md)
@@ -106,7 +106,7 @@ def test_tiny_preset_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     assert jobs_lines[0][0] == str(len(preset.methods) * len(preset.seeds))  # fundus main: every method and seed
     assert f"- Jobs behind the tables: {len(planned)}, finished" in md
     for section in ("lam sweep", "unseen site", "personalization inside FedSM", "Speed, traffic and memory",
-                    "CUDA with mixed precision: not measured", "FedSM + APFL", "FedSM + pFedMe",
+                    "CUDA with mixed precision: not measured", "FedSM + APFL",
                     "U-Nets (32 px, cpu)"):
         assert section in md, section
     assert f"Jobs completed: {len(planned)} of {len(planned)}." in md

@@ -8,8 +8,12 @@
 # Execute: one round; the coordinator then sends each site its final models once.
 # Assert: the app's site wrote its bundle (BlackFed: its client net with its server net; FedIOD:
 #         the student), the panel shows its path and its ledger the final message's bytes, and
-#         ``fedsm infer --model BUNDLE [--site site1]`` segments a photo with it. Every process the
-#         test started is stopped by its PID.
+#         ``fedsm infer --model BUNDLE [--site site1]`` segments a photo with it. BlackFed also: the
+#         coordinator's server state equals ``fedsm simulate``'s on the same data and seed (max abs
+#         difference <= 1e-5: the transport is faithful); every message the sites sent, as recorded
+#         at the SuperLink's fleet listener, holds activations and masks only, never a weight; the
+#         coordinator sent each site loss values only until the final models (the sites' ledgers).
+#         Every process the test started is stopped by its PID.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import time
 
 import pytest
 from fed_fixtures import fed_data, pki  # noqa: F401
-from harness import ROOT, CoordinatorThread, LoopbackFederation, Processes, fedsm
+from harness import ROOT, CoordinatorThread, LoopbackFederation, Processes, dialogue_replies, fedsm
 
+from engine.federation.events import read_events
+from engine.federation.flower.fleet_listener import read_recorded
 from engine.federation.flower.processes import free_port
 
 SITES = ["site1", "site2"]
@@ -102,14 +108,16 @@ def _photo(datalists) -> str:
     return str(Path(datalists[0]).parent / doc["testing"][0]["image"])
 
 
+BASE = {"task": "fundus", "rounds": 1, "seed": 0, "image_size": 32, "batch_size": 4}
+
+
 def _run(qtbot, fed_data, pki, tmp_path, training, prepare_form, consent_site2=False):  # noqa: F811 (fixture values)
     _, datalists = fed_data
-    base = {"task": "fundus", "rounds": 1, "seed": 0, "image_size": 32, "batch_size": 4}
-    fed = LoopbackFederation(tmp_path, pki, datalists[:2], SITES, {**base, **training},
+    fed = LoopbackFederation(tmp_path, pki, datalists[:2], SITES, {**BASE, **training},
                              {"superlink_port": free_port()})
     if consent_site2:
         _consent_in(fed, "site2")
-    server = CoordinatorThread(fed)
+    server = CoordinatorThread(fed, record_fleet=tmp_path / "sent-by-sites")
     procs = Processes()  # site2, stopped by its PID at the end
     started = time.monotonic()
     try:
@@ -145,6 +153,25 @@ def test_the_app_joins_a_blackfed_run_and_opens_its_sites_bundle(qtbot, fed_data
     done = _infer(bundle, _photo(datalists), tmp_path / "masks", site="site1")
     assert done.returncode == 0, done.stdout
     assert "routed to site1" in done.stdout and list((tmp_path / "masks").glob("*.png"))
+    # the transport is faithful: the coordinator ends where the simulation ends
+    simulated = _simulated_blackfed(datalists[:2], tmp_path / "simulated")
+    assert sorted(server_state) == sorted(simulated) == ["server", "server/site1", "server/site2"]
+    worst = max(float((server_state[p][k].double() - simulated[p][k].double()).abs().max())
+                for p in simulated for k in simulated[p])
+    assert worst <= 1e-5
+    # what the sites sent, as recorded on the wire, and what they say they received and sent
+    _check_uploads_are_activations_and_masks(read_recorded(tmp_path / "sent-by-sites"))
+    for site in SITES:
+        events = read_events(fed.site_events(site))
+        received = [e for e in events if e["event"] == "received" and "action" in e]
+        sent = [e for e in events if e["event"] == "sent" and "action" in e]
+        assert received and len(sent) == len(received)
+        for e in received:
+            assert set(e["contents"]["tensors"]) <= {"losses"}
+        assert any(e["contents"]["tensors"] for e in received)  # loss values did arrive
+        for e in sent:
+            assert set(e["contents"]["tensors"]) == {"activations", "masks"}
+            assert "activations" in e["contents"]["tensors"]["activations"] and e["bytes"] > 0
     print(f"blackfed app join: {wall_s:.0f} s to the bundle, final message {final[0].bytes} bytes")
 
 
@@ -170,3 +197,33 @@ def test_the_app_joins_a_fediod_run_and_opens_the_student(qtbot, fed_data, pki, 
     assert done.returncode == 0, done.stdout
     assert list((tmp_path / "masks").glob("*.png"))
     print(f"fediod app join: {wall_s:.0f} s to the bundle, final message {final[0].bytes} bytes")
+
+
+def _simulated_blackfed(datalists, out) -> dict:
+    """The simulation's server state: ``fedsm simulate``'s code path on the same two sites."""
+    from engine.data.site_data import load_site
+    from engine.simulate import Simulation, SimulationConfig
+    from engine.tasks import FUNDUS
+
+    options = {k: v for k, v in BLACKFED.items() if k != "method"}
+    cfg = SimulationConfig(task="fundus", sites=2, rounds=BASE["rounds"], methods=(BLACKFED["method"],),
+                           image_size=BASE["image_size"], seed=BASE["seed"], batch_size=BASE["batch_size"],
+                           device="cpu", options=options)
+    sim = Simulation(cfg, out)
+    sim.sites = [load_site(p, FUNDUS, BASE["image_size"]) for p in datalists]
+    bundle = sim.run_exchange_method(BLACKFED["method"]).extra["bundle"]
+    return {"server": bundle.server, **{f"server/{s}": w for s, w in bundle.table.items()}}
+
+
+def _check_uploads_are_activations_and_masks(requests: list[tuple[str, bytes]]) -> None:
+    """Rebuild every message the sites sent; answers to exchanges hold activations and masks only."""
+    from engine.fl.blackfed_nets import build_client_net, build_server_net
+
+    params = {tuple(p.shape) for net in (build_client_net(3, 16), build_server_net(16, 2)) for p in net.parameters()}
+    answers = 0
+    for tensors in dialogue_replies(requests):
+        assert set(tensors) == {"activations", "masks"}
+        assert tensors["activations"].shape[1] == 16 and tensors["activations"].shape[2:] == (32, 32)
+        assert all(tuple(t.shape) not in params for t in tensors.values())
+        answers += 1
+    assert answers >= 2 * 2  # two sites, at least a client and a server exchange each

@@ -33,7 +33,8 @@ def simulated_apfl(fed_data, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("simulated-apfl")
     api.simulate(out, task="fundus", sites=3, rounds=APFL_TRAINING["rounds"], methods=("fedsm",),
                  image_size=APFL_TRAINING["image_size"], seed=APFL_TRAINING["seed"], device="cpu",
-                 data_dir=str(data_dir), keep_best=False, personalization="apfl")
+                 data_dir=str(data_dir), keep_best=False, personalization="apfl",
+                 selector_width=APFL_TRAINING["selector_width"])
     return out / "supermodel.safetensors"
 
 

@@ -173,7 +173,8 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
     from engine.tasks import get_task
 
     assert requests, "nothing was recorded at the fleet listener"
-    template = {**build_segmentation_net(3, 2).state_dict(), **build_selector(3, 3, "gap").state_dict()}
+    template = {**build_segmentation_net(3, 2).state_dict(),
+                **build_selector(3, 3, "gap", TRAINING["selector_width"]).state_dict()}
     shapes = {k: tuple(v.shape) for k, v in template.items()}
     replies = 0
     for message in recorded_messages(requests):

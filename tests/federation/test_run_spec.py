@@ -145,3 +145,20 @@ def test_every_method_is_allowed_by_default():
                 "batch_size": 8}
         assert SiteBounds().violations(spec) == [], method
     assert SiteBounds.from_dict({"allowed_methods": ["fedsm"]}).violations(dict(spec, method="fedavg"))
+
+
+def test_checking_a_spec_against_bounds_does_not_import_torch():
+    # the SuperNode checks every run's signed settings before pulling anything; importing torch there
+    # (1.6 CPU-s and ~300 MB per site) for one default learning rate is what this guards against
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from engine.security.run_spec import SiteBounds\n"
+            "print(SiteBounds(max_selector_lr=1e-4).violations({'method': 'fedsm', 'rounds': 2, 'epochs': 1, "
+            "'lr': 1e-3, 'image_size': 32, 'batch_size': 8}))\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    violations, torch_loaded = out.stdout.strip().splitlines()
+    assert "selector_lr = 0.001 is above max_selector_lr" in violations  # the scheme's default was checked
+    assert torch_loaded == "False"

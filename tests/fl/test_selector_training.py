@@ -8,12 +8,12 @@ from testsupport import random_split
 from engine.errors import ConfigError, WeightsError
 from engine.fl.local_training import RoundContext
 from engine.fl.methods import FedSM, SiteUpdate
+from engine.fl.selector_schemes import default_selector_lr
 from engine.fl.selector_training import (
     TEMPERATURE_GRID,
     adam_step_from_state,
     apply_temperature,
     confidence_summary,
-    default_selector_lr,
     expected_calibration_error,
     fit_temperature,
     initial_optimizer_state,

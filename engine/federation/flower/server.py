@@ -162,6 +162,7 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
         meta = BundleMetadata(
             task=task.name, label_names=list(task.label_names), in_channels=task.in_channels,
             image_size=spec.image_size, selector_size=spec.selector_size, selector_head=spec.selector_head,
+            selector_width=spec.selector_width,
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
             personalization=spec.personalization,
