@@ -203,7 +203,8 @@ class JobContext:
             task=tp.task, sites=sites, rounds=rounds or tp.rounds, methods=("fedsm",), image_size=tp.image_size,
             seed=seed, lam=effective_lam(tp.lam if lam is None else lam, sites), gamma=p.gamma, epochs=p.epochs,
             batch_size=p.batch_size, lr=p.lr if lr is None else lr, selector_lr=p.selector_lr,
-            selector_size=p.selector_size, prox_mu=p.prox_mu, device=self.device, lr_schedule=p.lr_schedule,
+            selector_size=p.selector_size, selector_width=p.selector_width, prox_mu=p.prox_mu, device=self.device,
+            lr_schedule=p.lr_schedule,
             lr_min_ratio=p.lr_min_ratio, loss=p.loss, keep_best=p.keep_best)
 
 

@@ -102,6 +102,7 @@ class BenchPreset:
     lr: float = 1e-3
     selector_lr: float | None = None  # None: 1e-3 for FedSM's reference selector, 1e-5 per-batch
     selector_size: int = 32
+    selector_width: int = 64  # the selector's VGG-11 backbone width (the paper's 64)
     gamma: float = 0.6
     prox_mu: float = 0.01
     lam_values: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -164,11 +165,12 @@ class BenchPreset:
 PRESETS: dict[str, BenchPreset] = {
     "tiny": BenchPreset(
         name="tiny",
-        description="CI smoke test of the whole machinery: 3 small sites, 32 px, 1 round, 2 seeds (seconds)",
+        description="CI smoke test of the whole machinery: 3 small sites, 32 px, 1 round, 2 seeds, a 16-wide "
+                    "selector (seconds)",
         tasks=(TaskPreset("fundus", sites=3, image_size=32, rounds=1, lam=0.7),
                TaskPreset("prostate", sites=3, image_size=32, rounds=1, slices=6, lam=0.5)),
         seeds=(0, 1), batch_size=8, lam_values=(0.2,), gammas=(0.0, 0.6, 1.0), unseen_site=3,
-        personalizations=("apfl",), analysis_seeds=(0,),
+        personalizations=("apfl",), analysis_seeds=(0,), selector_width=16,
         perf_image_size=32, perf_batches=1, perf_repeats=1, perf_memory=False,
     ),
     "cpu-small": BenchPreset(

@@ -38,7 +38,7 @@ def datalists(tmp_path_factory):
 def test_sites_report_final_dice_that_reaches_the_bundle(datalists, tmp_path):
     # Prepare
     spec = MethodSpec(method="fedsm", task="fundus", site_names=SITES, rounds=1, image_size=32, batch_size=4,
-                      selector_lr=1e-4)
+                      selector_lr=1e-4, selector_width=16)
     site_events: list[dict] = []
     workers = workers_for(datalists, tmp_path, site_events)
     for w in workers.values():

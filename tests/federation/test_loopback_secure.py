@@ -87,6 +87,7 @@ def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_pat
     assert all(meta.val_dice[s] == summary["site_dice"][s]["validation"]["personalized"] for s in SITES)
     # Assert: site_routing auto's choice and the guard's paired statistics came through the network as simulated
     simulated = read_metadata(simulated_supermodel)
+    assert meta.selector_width == simulated.selector_width == TRAINING["selector_width"]  # the signed setting
     assert meta.site_routing == simulated.site_routing and "routing_choice" in meta.extra
     assert meta.extra["routing_choice"] == pytest.approx(simulated.extra["routing_choice"])
     assert all({"cases", "diff_sd"} <= set(meta.site_validation[s]) for s in SITES)

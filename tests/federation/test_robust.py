@@ -72,7 +72,7 @@ def _alter(kind):
 
 def _spec5():
     return MethodSpec(method="fedsm", task="fundus", site_names=SITES5, rounds=1, image_size=32, batch_size=4,
-                      selector_lr=1e-4)
+                      selector_lr=1e-4, selector_width=16)
 
 
 class _NoWriter:

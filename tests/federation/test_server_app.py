@@ -36,8 +36,9 @@ def datalists(tmp_path_factory):
 
 
 def spec(method="fedavg", rounds=1, **kw):
+    # a 16-wide selector: the same parts and messages at 1/16 of the paper's selector parameters
     return MethodSpec(method=method, task="fundus", site_names=SITES, rounds=rounds, image_size=32, batch_size=4,
-                      selector_lr=1e-4, **kw)
+                      selector_lr=1e-4, selector_width=16, **kw)
 
 
 def runner(spec_, grid, tmp_path, events, min_sites=1, timeout=5.0, attempts=1, cancel=None):
@@ -85,7 +86,7 @@ def test_fedsm_over_the_grid_equals_the_in_process_simulation(datalists, tmp_pat
     from engine.fl.selector_training import initial_optimizer_state
     from engine.models import build_selector
 
-    moments = len(initial_optimizer_state(build_selector(3, 3)))  # exp_avg and exp_avg_sq per parameter, step
+    moments = len(initial_optimizer_state(build_selector(3, 3, "gap", 16)))  # exp_avg, exp_avg_sq per parameter, step
     assert all(e["contents"] == {"global": 63, "personal": 63, "selector": 60, "selector_optim": moments}
                for e in received)
     assert Checkpoint.load(tmp_path / "ckpt.safetensors").round == 2
