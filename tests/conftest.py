@@ -55,9 +55,11 @@ def tiny_training():
 #: site process per site: ~8 processes importing torch, MONAI and Flower) run one after another on a
 #: single pytest-xdist worker, never two federations beside each other on CI's 2 cores; the other
 #: worker takes the rest of the suite (``-n 2`` in pyproject.toml), including the in-process federation
-#: tests. Every other module also stays on one worker (a fuzz module's last test checks what its
-#: other tests counted). A new end-to-end federation test belongs in a ``test_loopback_*.py`` file.
-SERIAL_GROUP_PREFIXES = ("tests/federation/test_loopback_",)
+#: tests. (Two serial groups, one per worker, measured no faster: the suite is CPU-bound, ~1,000 CPU-s
+#: in ~580 s on 2 cores, and two federations at once only stretch each one's waits.) Every other module
+#: also stays on one worker (a fuzz module's last test checks what its other tests counted). A new
+#: end-to-end federation test belongs in a ``test_loopback_*.py`` file.
+SERIAL_GROUPS = (("tests/federation/test_loopback_", "federations"),)
 
 #: pytest-timeout's bound for a test that starts federation processes or is marked ``slow`` (the
 #: default, ``timeout`` in pyproject.toml, bounds every other test). Generous: these tests wait on
@@ -112,14 +114,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's per-file scheduling, with all files of ``SERIAL_GROUP_PREFIXES`` as one scope."""
+    """pytest-xdist's per-file scheduling, with the files of each of ``SERIAL_GROUPS`` as one scope."""
     from xdist.scheduler import LoadFileScheduling
 
     class FederationTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            for prefix in SERIAL_GROUP_PREFIXES:
+            for prefix, group in SERIAL_GROUPS:
                 if nodeid.startswith(prefix):
-                    return prefix
+                    return group
             return super()._split_scope(nodeid)
 
     return FederationTogether(config, log)

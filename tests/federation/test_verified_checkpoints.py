@@ -76,7 +76,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_equals_an_uninterrupted_ru
     toml = tmp_path / "federation.toml"
     toml.write_text(f'[federation]\nsites = ["site1", "site2", "site3"]\nwork_dir = "{work}"\n'
                     '[training]\ntask = "fundus"\nmethod = "fedavg"\nrounds = 3\nimage_size = 32\nbatch_size = 4\n'
-                    'selector_lr = 0.0001\n')
+                    'selector_lr = 0.0001\nselector_width = 16\n')  # test_server_app.spec's settings
     cfg = load_federation_config(toml)
     (work / "checkpoint.safetensors").unlink(missing_ok=True)
     ckpt_path.rename(work / "checkpoint.safetensors")

@@ -15,7 +15,7 @@ from engine.fl.selector_training import initial_optimizer_state, reference_selec
 from engine.tasks import FUNDUS
 
 
-def _linear_selector(in_channels: int, num_classes: int, head: str = "gap") -> torch.nn.Module:
+def _linear_selector(in_channels: int, num_classes: int, head: str = "gap", width: int = 64) -> torch.nn.Module:
     """A selector without BatchNorm: every image's gradient is its own, whatever batch it is in."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(in_channels * 32 * 32, num_classes))
