@@ -1,0 +1,68 @@
+"""The architecture's import rules, checked by import-linter (the contracts live in pyproject.toml).
+
+- The engine never imports the desktop app or Qt (it runs headless on a coordinator without a display).
+- The app reaches the engine only through ``engine.api``, plus the study types and errors it displays.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _lint_imports(cwd: Path, config: Path, pythonpath: Path) -> subprocess.CompletedProcess:
+    lint = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    return subprocess.run([str(lint), str(config), "--no-cache"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_the_project_keeps_its_import_contracts():
+    done = _lint_imports(ROOT, ROOT / "pyproject.toml", ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+def test_the_contracts_catch_an_engine_module_that_imports_qt_or_the_app(tmp_path):
+    # the project's own contracts, run over a small tree that breaks each of them
+    (tmp_path / "engine" / "io").mkdir(parents=True)
+    (tmp_path / "fedsm_gui").mkdir()
+    for package in ("engine", "engine/io", "fedsm_gui"):
+        (tmp_path / package / "__init__.py").write_text("")
+    settings = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    named = {m for c in settings["contracts"] for m in c.get("forbidden_modules", []) if m.startswith("engine.")}
+    for module in named | {"engine.api", "engine.io.study"}:  # every module a contract names must exist
+        (tmp_path / (module.replace(".", "/") + ".py")).write_text("")
+    (tmp_path / "engine" / "viewer.py").write_text("def show():\n    from PySide6 import QtWidgets\n"
+                                                   "    import fedsm_gui\n")
+    (tmp_path / "fedsm_gui" / "panel.py").write_text("from engine import api\nfrom engine.io import study\n"
+                                                     "import engine.fl\n")
+    config = tmp_path / "importlinter.toml"
+    config.write_text(_toml_importlinter(settings))
+    done = _lint_imports(tmp_path, config, tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert "2 broken" in done.stdout
+    assert "engine.viewer -> PySide6" in done.stdout and "engine.viewer -> fedsm_gui" in done.stdout
+    assert "fedsm_gui.panel -> engine.fl" in done.stdout
+    assert "engine.io.study" not in done.stdout.split("Broken contracts")[-1]  # the study types are allowed
+
+
+def _toml_importlinter(settings: dict) -> str:
+    """``[tool.importlinter]`` with its contracts, written back as TOML (only the value types it uses)."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return '"' + str(v) + '"'
+
+    lines = ["[tool.importlinter]"]
+    lines += [f"{k} = {value(v)}" for k, v in settings.items() if k != "contracts"]
+    for contract in settings["contracts"]:
+        lines += ["", "[[tool.importlinter.contracts]]"] + [f"{k} = {value(v)}" for k, v in contract.items()]
+    return "\n".join(lines) + "\n"
