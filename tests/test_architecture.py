@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -42,8 +43,8 @@ def test_the_contracts_catch_an_engine_module_that_imports_qt_or_the_app(tmp_pat
                                                    "    import fedsm_gui\n")
     (tmp_path / "fedsm_gui" / "panel.py").write_text("from engine import api\nfrom engine.io import study\n"
                                                      "import engine.fl\n")
-    config = tmp_path / "importlinter.toml"
-    config.write_text(_toml_importlinter(settings))
+    config = tmp_path / "pyproject.toml"  # the project's own file: lint-imports reads its [tool.importlinter]
+    shutil.copyfile(ROOT / "pyproject.toml", config)
     done = _lint_imports(tmp_path, config, tmp_path)
     assert done.returncode == 1, done.stdout
     assert "2 broken" in done.stdout
@@ -51,18 +52,3 @@ def test_the_contracts_catch_an_engine_module_that_imports_qt_or_the_app(tmp_pat
     assert "fedsm_gui.panel -> engine.fl" in done.stdout
     assert "engine.io.study" not in done.stdout.split("Broken contracts")[-1]  # the study types are allowed
 
-
-def _toml_importlinter(settings: dict) -> str:
-    """``[tool.importlinter]`` with its contracts, written back as TOML (only the value types it uses)."""
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return '"' + str(v) + '"'
-
-    lines = ["[tool.importlinter]"]
-    lines += [f"{k} = {value(v)}" for k, v in settings.items() if k != "contracts"]
-    for contract in settings["contracts"]:
-        lines += ["", "[[tool.importlinter.contracts]]"] + [f"{k} = {value(v)}" for k, v in contract.items()]
-    return "\n".join(lines) + "\n"
