@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-#: Federation runs in the end-to-end tests: FedSM, 3 sites, 2 training rounds, 32 px images. The selector's
+#: Federation runs in the end-to-end tests: FedSM, 2 training rounds, 32 px images, on the 2 sites of
+#: :func:`fed_data_two` (tests of a site leaving and returning use the 3 sites of :func:`fed_data`). The selector's
 #: backbone is 16 wide (the paper's is 64): replies of ~17 MiB instead of ~125 MiB, the same messages,
 #: parts and code paths; what the paper's width costs on the wire is benchmarks/transport_overhead.py's.
 TRAINING = {"task": "fundus", "method": "fedsm", "rounds": 2, "seed": 0, "image_size": 32, "selector_width": 16}
@@ -28,6 +29,15 @@ def fed_data(tmp_path_factory) -> tuple[Path, list[Path]]:
 
 
 @pytest.fixture(scope="session")
+def fed_data_two(tmp_path_factory) -> tuple[Path, list[Path]]:
+    """Two sites: what a federation test needs when no site leaves (each site is a process of ~10 CPU-s)."""
+    from engine.data.synth import generate_federation
+
+    root = tmp_path_factory.mktemp("fed-data-two")
+    return root, generate_federation("fundus", 2, root, image_size=32, seed=0)
+
+
+@pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> Path:
     """A federation CA, the coordinator's certificate, and key pairs for site1..site4."""
     from engine.security import certs
@@ -41,27 +51,27 @@ def pki(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def simulated_supermodel(fed_data, tmp_path_factory) -> Path:
-    """``fedsm simulate`` with the settings of :data:`TRAINING` on the same data."""
+def simulated_supermodel(fed_data_two, tmp_path_factory) -> Path:
+    """``fedsm simulate`` with the settings of :data:`TRAINING` on the two sites of :func:`fed_data_two`."""
     from engine import api
 
-    data_dir, _ = fed_data
+    data_dir, _ = fed_data_two
     out = tmp_path_factory.mktemp("simulated")
     # keep_best off: a network run keeps its last round (the coordinator holds no validation data)
-    api.simulate(out, task="fundus", sites=3, rounds=TRAINING["rounds"], methods=("fedsm",),
+    api.simulate(out, task="fundus", sites=2, rounds=TRAINING["rounds"], methods=("fedsm",),
                  image_size=TRAINING["image_size"], seed=TRAINING["seed"], device="cpu", data_dir=str(data_dir),
                  keep_best=False, selector_width=TRAINING["selector_width"])
     return out / "supermodel.safetensors"
 
 
 @pytest.fixture(scope="session")
-def simulated_fedavg(fed_data, tmp_path_factory) -> Path:
-    """``fedsm simulate`` with the settings of :data:`FEDAVG_TRAINING` on the same data (its single-model bundle)."""
+def simulated_fedavg(fed_data_two, tmp_path_factory) -> Path:
+    """``fedsm simulate`` with the settings of :data:`FEDAVG_TRAINING` on :func:`fed_data_two` (one model)."""
     from engine import api
 
-    data_dir, _ = fed_data
+    data_dir, _ = fed_data_two
     out = tmp_path_factory.mktemp("simulated-fedavg")
-    api.simulate(out, task="fundus", sites=3, rounds=FEDAVG_TRAINING["rounds"], methods=("fedavg",),
+    api.simulate(out, task="fundus", sites=2, rounds=FEDAVG_TRAINING["rounds"], methods=("fedavg",),
                  image_size=FEDAVG_TRAINING["image_size"], seed=FEDAVG_TRAINING["seed"], device="cpu",
                  data_dir=str(data_dir), keep_best=False)
     return out / "fedavg.safetensors"

@@ -14,24 +14,24 @@ is lost between rounds. The test checks
 from __future__ import annotations
 
 import pytest
-from fed_fixtures import TRAINING, fed_data, pki  # noqa: F401
+from fed_fixtures import TRAINING, fed_data_two, pki  # noqa: F401
 from harness import CoordinatorThread, LoopbackFederation, Processes, max_abs_difference, wait_for
 
 from engine.federation.events import read_events
 
-SITES = ["site1", "site2", "site3"]
+SITES = ["site1", "site2"]
 #: One training round is enough: the last round reads the private state the site persisted after it.
 APFL_TRAINING = {**TRAINING, "rounds": 1, "personalization": "apfl"}
 
 
 @pytest.fixture(scope="module")
-def simulated_apfl(fed_data, tmp_path_factory):  # noqa: F811
+def simulated_apfl(fed_data_two, tmp_path_factory):  # noqa: F811
     """``fedsm simulate --personalization apfl`` with the settings of :data:`APFL_TRAINING` on the same data."""
     from engine import api
 
-    data_dir, _ = fed_data
+    data_dir, _ = fed_data_two
     out = tmp_path_factory.mktemp("simulated-apfl")
-    api.simulate(out, task="fundus", sites=3, rounds=APFL_TRAINING["rounds"], methods=("fedsm",),
+    api.simulate(out, task="fundus", sites=len(SITES), rounds=APFL_TRAINING["rounds"], methods=("fedsm",),
                  image_size=APFL_TRAINING["image_size"], seed=APFL_TRAINING["seed"], device="cpu",
                  data_dir=str(data_dir), keep_best=False, personalization="apfl",
                  selector_width=APFL_TRAINING["selector_width"])
@@ -39,9 +39,10 @@ def simulated_apfl(fed_data, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_apfl_federation_over_the_network_equals_the_simulation(fed_data, pki, simulated_apfl, tmp_path):  # noqa: F811
+def test_apfl_federation_over_the_network_equals_the_simulation(fed_data_two, pki, simulated_apfl,  # noqa: F811
+                                                                 tmp_path):
     # Prepare
-    _, datalists = fed_data
+    _, datalists = fed_data_two
     fed = LoopbackFederation(tmp_path, pki, datalists, SITES, APFL_TRAINING)
     server = CoordinatorThread(fed)
     procs = Processes()

@@ -1,6 +1,6 @@
-"""End to end on 127.0.0.1 with TLS and site authentication: the coordinator and three ``fedsm site`` processes.
+"""End to end on 127.0.0.1 with TLS and site authentication: the coordinator and two ``fedsm site`` processes.
 
-One federation run (FedSM, 3 sites, 2 rounds + calibration) checks that
+One federation run (FedSM, 2 sites, 2 rounds + calibration) checks that
 
 - the final global, selector and personalized weights equal ``fedsm simulate`` with the same
   seeds (max abs difference <= 1e-5): the transport is faithful;
@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from fed_fixtures import TRAINING, fed_data, pki, simulated_supermodel  # noqa: F401
+from fed_fixtures import TRAINING, fed_data_two, pki, simulated_supermodel  # noqa: F401
 from harness import (
     CoordinatorThread,
     LoopbackFederation,
@@ -39,7 +39,7 @@ from engine.federation.flower.fleet_listener import read_recorded
 from engine.federation.flower.processes import free_port
 from engine.fl.style_gate import descriptor_size
 
-SITES = ["site1", "site2", "site3"]
+SITES = ["site1", "site2"]
 SITE_EVENT_KEYS = {
     "connected": {"coordinator"}, "received": {"round", "rounds", "method", "bytes", "contents"},
     "round_start": {"round", "rounds", "method"}, "batch": {"round", "batch", "batches", "loss", "method"},
@@ -50,10 +50,10 @@ SITE_EVENT_KEYS = {
 
 
 @pytest.mark.slow
-def test_secure_loopback_federation(fed_data, pki, simulated_supermodel, tmp_path):  # noqa: F811
+def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp_path):  # noqa: F811
 
     # Prepare
-    _, datalists = fed_data
+    _, datalists = fed_data_two
     superlink_port = free_port()
     fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"superlink_port": superlink_port})
     sent_by_sites = tmp_path / "sent-by-sites"
@@ -175,7 +175,7 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
 
     assert requests, "nothing was recorded at the fleet listener"
     template = {**build_segmentation_net(3, 2).state_dict(),
-                **build_selector(3, 3, "gap", TRAINING["selector_width"]).state_dict()}
+                **build_selector(3, len(SITES), "gap", TRAINING["selector_width"]).state_dict()}
     shapes = {k: tuple(v.shape) for k, v in template.items()}
     replies = 0
     for message in recorded_messages(requests):
@@ -210,7 +210,7 @@ def check_only_weights_counts_and_metrics_left(requests: list[tuple[str, bytes]]
                 else:
                     assert shapes[name] == tuple(tensor.shape), (part, name)  # a model parameter, nothing else
         replies += 1
-    assert replies >= 3 * 3  # three sites, three rounds (plus their answers to control queries)
+    assert replies >= len(SITES) * 3  # every site, three rounds (plus their answers to control queries)
     # no byte of an image, a mask or a path in anything a site sent (weights are float32 too)
     task = get_task("fundus")
     needles = []
@@ -242,11 +242,11 @@ def distinctive_window(arrays: np.ndarray, size: int = 64) -> bytes:
 
 
 @pytest.mark.slow
-def test_stop_flag_cancels_a_waiting_coordinator(pki, fed_data, tmp_path):  # noqa: F811
+def test_stop_flag_cancels_a_waiting_coordinator(pki, fed_data_two, tmp_path):  # noqa: F811
     """No sites: the coordinator waits for them and stops cleanly (children stopped) when asked."""
     from engine.federation.flower.server import run_server
 
-    _, datalists = fed_data
+    _, datalists = fed_data_two
     fed = LoopbackFederation(tmp_path, pki, datalists, SITES, TRAINING, {"start_timeout": 600})
     stop = threading.Event()
     serving: list[int] = []
@@ -256,7 +256,7 @@ def test_stop_flag_cancels_a_waiting_coordinator(pki, fed_data, tmp_path):  # no
             events = read_events(fed.server_events)
         except OSError:  # not written yet
             return False
-        return any("waiting for site1, site2, site3" in e.get("message", "") for e in events)
+        return any(f"waiting for {', '.join(SITES)}" in e.get("message", "") for e in events)
 
     def stop_once_waiting() -> None:
         # Asked to stop only once it really waits for the sites: on a loaded machine starting the
