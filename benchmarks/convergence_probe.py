@@ -48,7 +48,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
 
-    from engine.bench.jobs import BenchSimulation, CurveRecorder, load_task_sites
+    from engine.bench.bench_simulation import BenchSimulation, CurveRecorder
+    from engine.bench.jobs import load_task_sites
     from engine.bench.presets import BenchPreset, TaskPreset
     from engine.simulate import SimulationConfig
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from engine.bench.bench_simulation import JobContext
 from engine.bench.cache import JobKey
-from engine.bench.jobs import JobContext, load_task_sites, run_job
+from engine.bench.jobs import load_task_sites, run_job
 from engine.bench.presets import PRESETS
 from engine.fl.personalization import PERSONALIZATIONS
 

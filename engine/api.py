@@ -99,7 +99,7 @@ def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelM
     from engine.io.masks import open_mask as open_labels
 
     if convention == "auto":
-        from engine.data.label_conventions import convention_from_name
+        from engine.io.label_conventions import convention_from_name
 
         convention = convention_from_name(path)
     return open_labels(Path(path), study, convention)
@@ -264,7 +264,7 @@ def benchmark(preset: str, out_dir: Path, *, fresh: bool = False, device: str = 
 
 def describe_device(device: str = "auto") -> dict[str, Any]:
     """Which device inference would use and why, e.g. ``{"device": "cpu", "reason": "CUDA not available: ..."}``."""
-    from engine.inference.device import describe_device as describe
+    from engine.device import describe_device as describe
 
     return describe(device)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -315,9 +316,22 @@ def fediod_section(result: dict[str, Any], sites: list[str], structures: list[st
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:
     """Write ``report.json`` and ``report.md`` atomically."""
     from engine.io.privacy import scrub_absolute_paths
-    from engine.simulate import report_json
-
     # Folder names can name patients or sites: the report keeps no absolute path.
     report = scrub_absolute_paths(report, out_dir)
     write_text_atomic(Path(out_dir) / "report.json", report_json(report) + "\n")
     write_text_atomic(Path(out_dir) / "report.md", render_markdown(report))
+
+
+def report_json(report: dict[str, Any]) -> str:
+    """The report as pretty JSON (NaN written as null)."""
+    return json.dumps(_nan_to_none(report), indent=2, sort_keys=False)
+
+
+def _nan_to_none(obj: Any) -> Any:
+    if isinstance(obj, float) and obj != obj:
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_nan_to_none(v) for v in obj]
+    return obj

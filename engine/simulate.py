@@ -8,7 +8,6 @@ documented in ``docs/report-schema.md``.
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import time
@@ -21,22 +20,14 @@ from typing import Any
 import numpy as np
 
 from engine.errors import ConfigError, FedSMError
+from engine.fl.catalogue import ALL_METHODS, DEFAULT_LAM, extra_rounds_default
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
-#: Every method ``--methods`` accepts, in the order the report lists them.
-ALL_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra")
-#: SoftPull lam per task when none is given (the paper's best values).
-DEFAULT_LAM = {"fundus": 0.7, "prostate": 0.3}
 REPORT_SCHEMA = "fedsm-simulation-report/1"
-
-
-def extra_rounds_default(rounds: int) -> int:
-    """FedSM-extra's selector rounds when none are given: half the training rounds, rounded up (paper: 100 + 50)."""
-    return max(1, -(-int(rounds) // 2))
 
 
 @dataclass
@@ -128,7 +119,7 @@ class SimulationConfig:
         self.gamma = parse_gamma(self.gamma)
         self.gamma_pass = check_pass_fraction(self.gamma_pass)
         if self.style_gate is not None:
-            from engine.fl.style_gate import check_quantile
+            from engine.models.style_gate_format import check_quantile
 
             self.style_gate = check_quantile(self.style_gate)
         from engine.fl.style_gate import check_site_routing
@@ -770,18 +761,3 @@ def run_simulation(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | 
                    cancel: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Run a simulation and return its report (also written to ``out_dir``)."""
     return Simulation(replace(cfg), out_dir, progress, cancel).run()
-
-
-def report_json(report: dict[str, Any]) -> str:
-    """The report as pretty JSON (NaN written as null)."""
-    return json.dumps(_nan_to_none(report), indent=2, sort_keys=False)
-
-
-def _nan_to_none(obj: Any) -> Any:
-    if isinstance(obj, float) and obj != obj:
-        return None
-    if isinstance(obj, dict):
-        return {k: _nan_to_none(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_nan_to_none(v) for v in obj]
-    return obj

@@ -69,12 +69,12 @@ def test_simulate_threads_must_be_a_positive_whole_number(tmp_path, capsys, valu
 def test_simulate_threads_sets_torch_threads(monkeypatch):
     import torch
 
-    from engine.cli.main import _set_threads
+    from engine.cli.common import set_threads
 
     before = torch.get_num_threads()
     try:
-        assert _set_threads(1) == 1 and torch.get_num_threads() == 1
+        assert set_threads(1) == 1 and torch.get_num_threads() == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # without --threads an explicit OMP_NUM_THREADS wins
-        assert _set_threads(None) == 2 and torch.get_num_threads() == 2
+        assert set_threads(None) == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

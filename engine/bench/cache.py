@@ -45,9 +45,10 @@ ENGINE_DIR = Path(__file__).resolve().parents[1]
 #: ``inference``), the task definitions, the simulation and its in-process transport, and the
 #: benchmark's own job, routing-sweep and performance code.
 RESULT_SOURCES: tuple[str, ...] = (
-    "fl", "models", "data", "bundle", "inference", "tasks.py", "simulate.py", "federation/inprocess.py",
+    "fl", "models", "data", "bundle", "inference", "device.py", "tasks.py", "simulate.py", "federation/inprocess.py",
     "io/files.py", "io/readers.py", "io/masks.py", "io/photos.py", "io/volumes.py", "io/study.py",
-    "bench/jobs.py", "bench/routing_analysis.py", "bench/perf.py",
+    "io/label_conventions.py", "bench/jobs.py", "bench/bench_simulation.py", "bench/routing_analysis.py",
+    "bench/perf.py",
 )
 
 #: Packages whose versions are part of the code version.

@@ -1,7 +1,7 @@
 """FedIOD in ``fedsm bench``: the paper's Table 2 shape and Dice against epsilon.
 
 Jobs of the ``fediod`` analysis (one per task, method and seed) train with the same
-:class:`engine.bench.jobs.BenchSimulation` as every other job and evaluate on every site's test
+:class:`engine.bench.bench_simulation.BenchSimulation` as every other job and evaluate on every site's test
 split with Dice *and* HD95 (MONAI's ``compute_hausdorff_distance``, 95th percentile, in pixels;
 a volume is one 3D case):
 
@@ -22,7 +22,7 @@ import numpy as np
 from engine.bench.cache import JobKey
 
 if TYPE_CHECKING:
-    from engine.bench.jobs import JobContext
+    from engine.bench.bench_simulation import JobContext
     from engine.bench.presets import BenchPreset
 
 ANALYSIS = "fediod"
@@ -110,7 +110,7 @@ def summarise(predict: Callable[[int, np.ndarray], np.ndarray], sites: list[Any]
 
 def run_fediod_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Train ``key.method`` and evaluate it (and, for the no-DP FedIOD run, every teacher) with Dice and HD95."""
-    from engine.bench.jobs import BenchSimulation, _method_result
+    from engine.bench.bench_simulation import BenchSimulation, method_result
     from engine.fl.evaluation import segment_with
     from engine.fl.registry import build_exchange_method
     from engine.inference.predictor import SuperModelPredictor
@@ -133,7 +133,7 @@ def run_fediod_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     states: list[dict[str, Any]] = []
     sim.round_hook = lambda m, rnd, state, rts: states.append(state)
     result = sim.run_method(method)
-    out = _method_result(result)
+    out = method_result(result)
     task = sim.task
     if method == "fediod":
         student = states[-1]["student"]

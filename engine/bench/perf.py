@@ -204,8 +204,8 @@ def measure_routed_inference(size: int, selector_size: int, device_name: str = "
 
     The result names the device both ran on resolved (``"cpu"``, ``"cuda"``), never ``"auto"``.
     """
+    from engine.device import resolve_device
     from engine.fl.evaluation import segment_with, selector_probabilities
-    from engine.inference.device import resolve_device
     from engine.inference.predictor import SuperModelPredictor
     from engine.tasks import FUNDUS
 

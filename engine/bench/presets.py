@@ -56,7 +56,7 @@ class BenchPreset:
         finding that holds on every seed is not a property of one draw of the data.
     lam_values
         SoftPull lam sweep (paper Table 7); trained as given, also below ``1/K``
-        (:func:`engine.bench.jobs.sweep_lam`).
+        (:func:`engine.bench.bench_simulation.sweep_lam`).
     gammas
         Routing thresholds evaluated on participating and unseen sites (paper Tables 5, 12).
     unseen_site

@@ -20,8 +20,8 @@ from typing import Any
 
 from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
+from engine.bench.plan import ALL_TASKS, machine_label, plan_jobs
 from engine.bench.presets import BenchPreset
-from engine.bench.runner import ALL_TASKS, machine_label, plan_jobs
 from engine.bench.split_table import split_section
 from engine.io.atomic import write_text_atomic
 from engine.tasks import get_task

@@ -166,13 +166,13 @@ def lam_rows(results: Results, task: str, main_lam: float, sites: int, lam_value
              analysis_seeds: Iterable[int]) -> list[dict[str, Any]]:
     """Per requested lam: the lam SoftPull used, routed, oracle and global-only client-average Dice.
 
-    Sweep values are trained as requested, also below ``1/K`` (:func:`engine.bench.jobs.sweep_lam`);
+    Sweep values are trained as requested, also below ``1/K`` (:func:`engine.bench.bench_simulation.sweep_lam`);
     ``lam_used`` lists the distinct values the runs recorded (the planned value when none ran).
     A lam that equals the main runs' lam (raised to ``1/K``) is read from the main FedSM runs
     with the analysis seeds instead of being trained twice. ``keys`` are the jobs behind a row.
     """
-    from engine.bench.jobs import effective_lam, sweep_lam
-    from engine.bench.runner import lam_label
+    from engine.bench.bench_simulation import effective_lam, sweep_lam
+    from engine.bench.plan import lam_label
 
     seeds = set(analysis_seeds)
     main_used = effective_lam(main_lam, sites)

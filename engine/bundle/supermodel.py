@@ -309,10 +309,10 @@ class BundleMetadata:
                     raise ConfigError(f"site_validation[{site!r}][{which!r}] must be a number in [0, 1] or null, "
                                       f"got {dice!r}")
         if self.style_gate:
-            from engine.fl.style_gate import check_gate_metadata
+            from engine.models.style_gate_format import check_gate_metadata
 
             check_gate_metadata(self.style_gate, self.site_names, self.in_channels)
-        from engine.fl.style_gate import SITE_ROUTINGS
+        from engine.models.style_gate_format import SITE_ROUTINGS
 
         if self.site_routing not in SITE_ROUTINGS:
             raise ConfigError(f"site_routing must be one of {SITE_ROUTINGS}, got {self.site_routing!r}")

@@ -84,7 +84,7 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
 def run_bench(args: argparse.Namespace) -> int:
     """Handler of ``fedsm bench``."""
     from engine import api
-    from engine.cli.main import _set_threads, setup_logging
+    from engine.cli.common import set_threads, setup_logging
     from engine.cli.progress import TerminalProgress
     from engine.errors import ConfigError
 
@@ -98,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> int:
             f"with preset {args.preset!r}; its report is written to {out / 'report' / 'results.md'} anyway "
             "(choose the folder with --out DIR). Add --force-docs to overwrite the docs regardless.")
     setup_logging(args.verbose, out / "bench.log")
-    threads = _set_threads(args.threads)
+    threads = set_threads(args.threads)
     progress = TerminalProgress(out / "events.jsonl")
     command = "fedsm " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else None
     try:

@@ -19,7 +19,7 @@ from engine import api
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``validate-data`` to the ``fedsm`` parser."""
-    from engine.data.label_conventions import CONVENTIONS
+    from engine.io.label_conventions import CONVENTIONS
 
     p = sub.add_parser(
         "validate-data", help="check site datalists: every image has its mask, sizes, geometry and label values",
@@ -100,7 +100,7 @@ def format_report(report: dict[str, Any]) -> str:
 
 def validate_data_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm validate-data``."""
-    from engine.cli.main import setup_logging
+    from engine.cli.common import setup_logging
     from engine.data.datalist import outside_paths_allowed
 
     setup_logging(args.verbose)

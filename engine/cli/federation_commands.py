@@ -72,7 +72,7 @@ def _events(args: argparse.Namespace, source: str, site: str | None, path: Path)
 
 
 def _server(args: argparse.Namespace) -> int:
-    from engine.cli.main import _set_threads, setup_logging
+    from engine.cli.common import set_threads, setup_logging
     from engine.federation.config import load_federation_config
     from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.server import run_server
@@ -80,7 +80,7 @@ def _server(args: argparse.Namespace) -> int:
     keep_freed_memory()
     cfg = load_federation_config(args.config)
     setup_logging(args.verbose, cfg.work_dir / "server.log")
-    _set_threads(args.threads)  # the ServerApp (aggregation, FedIOD's distillation) runs in this process
+    set_threads(args.threads)  # the ServerApp (aggregation, FedIOD's distillation) runs in this process
     stop = StopFlag()
     with _events(args, "server", None, cfg.work_dir / "events.jsonl") as events:
         summary = run_server(cfg, events=events, insecure=args.insecure, resume=args.resume, stop=stop)
@@ -93,7 +93,7 @@ def _server(args: argparse.Namespace) -> int:
 def _site(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from engine.cli.main import _set_threads, setup_logging
+    from engine.cli.common import set_threads, setup_logging
     from engine.federation.config import load_site_config
     from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.site import run_site
@@ -103,7 +103,7 @@ def _site(args: argparse.Namespace) -> int:
     setup_logging(args.verbose, cfg.work_dir / "site.log")
     # the ClientApp trains in this process: --threads, else site.toml's threads, else OMP_NUM_THREADS or the
     # free cores; the count is kept for the whole run (also when the site loads a model to validate)
-    threads = _set_threads(args.threads if args.threads is not None else (cfg.threads or None))
+    threads = set_threads(args.threads if args.threads is not None else (cfg.threads or None))
     cfg = dataclasses.replace(cfg, threads=threads)
     stop = StopFlag()
     with _events(args, "site", cfg.name, cfg.work_dir / "events.jsonl") as events:
@@ -117,7 +117,7 @@ def _site(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from engine.cli.main import setup_logging
+    from engine.cli.common import setup_logging
 
     setup_logging(args.verbose)
     if args.certs_command == "app-hash":
@@ -142,7 +142,7 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _enroll(args: argparse.Namespace) -> int:
-    from engine.cli.main import setup_logging
+    from engine.cli.common import setup_logging
     from engine.errors import ConfigError
     from engine.federation.config import load_federation_config
     from engine.security import enrollment

@@ -19,6 +19,7 @@ from typing import Any
 
 import engine
 from engine import api
+from engine.cli.common import set_threads, setup_logging
 from engine.errors import CancelledError, ConfigError, FedSMError
 
 log = logging.getLogger("engine.cli")
@@ -50,16 +51,8 @@ THREADS_HELP = ("torch CPU threads (default: the cores of this process's CPU set
 
 
 def add_threads_option(p: argparse.ArgumentParser, more_help: str = "") -> None:
-    """Add ``--threads N`` (torch's CPU threads; :func:`_set_threads` applies it) to a command's parser."""
+    """Add ``--threads N`` (torch's CPU threads, applied by :func:`~engine.cli.common.set_threads`) to a parser."""
     p.add_argument("--threads", type=_threads, default=None, metavar="N", help=THREADS_HELP + more_help)
-
-
-def _set_threads(threads: int | None) -> int:
-    """torch's CPU threads for a command: ``threads`` if given (kept while the command runs, also when
-    inference loads a model), else ``OMP_NUM_THREADS`` or the free cores (:mod:`engine.threads`)."""
-    from engine.threads import use_threads
-
-    return use_threads(threads)
 
 
 def _gamma(text: str) -> float | str:
@@ -228,20 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
-    root = logging.getLogger()
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    root.addHandler(console)
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(log_file, encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-
-
 def _simulation_data(data: list[Path] | None) -> tuple[str | None, tuple[str, ...]]:
     """``--data`` as ``(synthetic data folder, real datalists)``: one of the two, or neither (synthetic in OUT/data).
 
@@ -276,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         apply_orientation_option(args)
         data_dir, datalists = _simulation_data(args.data)
         setup_logging(args.verbose, args.out / "simulate.log")
-        _set_threads(args.threads)
+        set_threads(args.threads)
         progress = TerminalProgress(args.out / "events.jsonl")
         try:
             with outside_paths_allowed(args.allow_outside):
@@ -308,7 +287,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "infer":
         setup_logging(args.verbose)
-        _set_threads(args.threads)
+        set_threads(args.threads)
         choice = args.model_choice.strip()
         force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,

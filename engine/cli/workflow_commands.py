@@ -28,7 +28,7 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``datalist`` and ``evaluate`` to the ``fedsm`` parser."""
-    from engine.data.label_conventions import CONVENTIONS
+    from engine.io.label_conventions import CONVENTIONS
 
     p = sub.add_parser(
         "datalist", help="build a site's datalist from a folder of images and a folder of masks",
@@ -60,7 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def datalist_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm datalist``."""
     from engine import api
-    from engine.cli.main import setup_logging
+    from engine.cli.common import setup_logging
 
     setup_logging(args.verbose)
     result = api.build_datalist(args.images, args.masks, args.out, task=args.task, convention=args.convention,
@@ -113,12 +113,12 @@ def register_evaluate(sub: argparse._SubParsersAction) -> None:
 def evaluate_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm evaluate``."""
     from engine import api
-    from engine.cli.main import _set_threads, setup_logging
+    from engine.cli.common import set_threads, setup_logging
     from engine.data.datalist import outside_paths_allowed
     from engine.inference.evaluate import format_evaluation
 
     setup_logging(args.verbose)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     if args.json is not None and args.json.is_dir():
         raise ConfigError(f"{args.json}: is a folder; give a file name, e.g. {args.json / 'evaluation.json'}")
     with outside_paths_allowed(args.allow_outside):

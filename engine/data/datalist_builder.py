@@ -230,7 +230,7 @@ def build_datalist(images_dir: Path, masks_dir: Path, out: Path, *, task: str | 
     """
     from engine.bundle.supermodel import check_site_name
     from engine.data.datalist import write_datalist
-    from engine.data.label_conventions import CONVENTIONS, DATALIST_KEY, convention_for
+    from engine.io.label_conventions import CONVENTIONS, DATALIST_KEY, convention_for
     from engine.tasks import get_task
 
     images_dir, masks_dir, out = Path(images_dir), Path(masks_dir), Path(out)

@@ -19,7 +19,7 @@ from engine.errors import DataError
 
 #: Tasks a datalist may name (``engine.tasks``); kept literal so the schema can be published as is.
 TASKS = ("fundus", "prostate")
-#: Label conventions a datalist may name (``engine.data.label_conventions.CONVENTIONS``).
+#: Label conventions a datalist may name (``engine.io.label_conventions.CONVENTIONS``).
 LABEL_CONVENTIONS = ("origa", "drishti", "binary", "multilabel")
 
 _ENTRY: dict[str, Any] = {

@@ -6,9 +6,16 @@ bundles record the task's normalisation name (see :mod:`engine.tasks`).
 
 from __future__ import annotations
 
+import os
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from engine.tasks import TaskSpec
+
+if TYPE_CHECKING:
+    from engine.io.label_conventions import LabelConvention
+    from engine.io.study import Study
 
 
 def normalise_rgb(image: np.ndarray) -> np.ndarray:
@@ -81,3 +88,27 @@ def resize_masks(batch: np.ndarray, size: int) -> np.ndarray:
         t = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))
         out = F.interpolate(t, size=(size, size), mode="nearest")
     return out.numpy()
+
+
+def read_task_channels(task: TaskSpec, label: str | os.PathLike[str], study: Study,
+                       convention: LabelConvention | None = None) -> np.ndarray:
+    """A case's mask file(s), read onto its study through a convention, as the task's binary channels.
+
+    Returns
+    -------
+    numpy.ndarray
+        ``float32 (task.out_channels, *study.shape)`` (fundus: disc, cup; prostate: gland).
+
+    Raises
+    ------
+    DataError
+        When the mask is missing, unreadable, off the study's grid (partial masks included) or
+        holds values the convention does not use.
+    """
+    from engine.io.label_conventions import convention_for
+    from engine.io.masks import read_mask
+
+    conv = convention if convention is not None else convention_for(task.name)
+    labels = read_mask(label, study, conv, allow_partial=False).labels.array
+    return label_channels(task, labels)
+

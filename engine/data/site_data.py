@@ -4,7 +4,7 @@ Images and masks are read by the engine's study readers (:func:`engine.io.reader
 :func:`engine.io.masks.read_mask`), the path the viewer and inference take too, so a volume is in
 the same RAS+ canonical order here as when it is segmented, and a mask must lie on its image's
 grid. Mask values are mapped by the datalist's label convention (``"label_convention"``, default
-per task; see :mod:`engine.data.label_conventions`). Every image then goes through
+per task; see :mod:`engine.io.label_conventions`). Every image then goes through
 :mod:`engine.data.preprocess`, the same path inference takes, so a network sees identically
 scaled inputs in training and in use:
 
@@ -27,15 +27,16 @@ import numpy as np
 
 from engine.data.datalist import load_datalist_with_info
 from engine.data.disc_crop import disc_box
-from engine.data.label_conventions import DATALIST_KEY, LabelConvention, convention_for, read_task_channels
 from engine.data.preprocess import (
     normalise_rgb,
     normalise_volume,
+    read_task_channels,
     resize_images,
     resize_masks,
     volume_to_slices,
 )
 from engine.errors import ConfigError, DataError
+from engine.io.label_conventions import DATALIST_KEY, LabelConvention, convention_for
 from engine.tasks import TaskSpec
 
 #: Datalist section that fills each split.

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.data.datalist import SECTIONS, load_datalist_with_info
-from engine.data.label_conventions import DATALIST_KEY, LabelConvention, convention_for
 from engine.errors import ConfigError, DataError
+from engine.io.label_conventions import DATALIST_KEY, LabelConvention, convention_for
 from engine.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def _unexpected(path: Path, exc: Exception) -> str:
 
 def _check_drishti_nesting(convention: LabelConvention, label: Path, row: dict[str, Any]) -> None:
     """Warn when cup pixels (by majority) lie outside the disc (by majority): the maps may be swapped."""
-    from engine.data.label_conventions import DRISHTI_THRESHOLD
+    from engine.io.label_conventions import DRISHTI_THRESHOLD
     from engine.io.masks import read_label_image
 
     disc_path, cup_path = convention.label_files(label)
@@ -223,7 +223,7 @@ def validate_datalists(datalists: list[PathLike], convention: str | None = None,
     if task is not None and task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     if convention is not None:
-        from engine.data.label_conventions import get_convention
+        from engine.io.label_conventions import get_convention
 
         get_convention(convention)
     sites, files = [], []

@@ -30,6 +30,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,6 +50,13 @@ def _clean(value: Any) -> Any:
     if isinstance(value, str | int | bool) or value is None:
         return value
     return str(value)
+
+
+@dataclass
+class PendingReport:
+    """Events a site emits once its reply has left (``sent``, ``metrics``, ``round_end``)."""
+
+    emit: Callable[[], None]
 
 
 class EventWriter:

@@ -23,6 +23,15 @@ from typing import Any
 from engine.errors import ConfigError, DataError
 
 
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    """Whether something accepts TCP connections on ``host:port``."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def check_port_free(host: str, port: int, what: str, where: str) -> None:
     """Raise :class:`ConfigError` when ``host:port`` cannot be bound because something else uses it.
 
@@ -175,8 +184,6 @@ class CoordinatorWatch:
     def gone(self, now: float | None = None) -> bool:
         """Probe (rate-limited) and say whether the coordinator has been gone for ``grace`` seconds."""
         import time
-
-        from engine.federation.flower.processes import port_open
 
         now = time.monotonic() if now is None else now
         if now - self._last_probe < self.interval:

@@ -18,9 +18,7 @@ from typing import Any
 
 from engine.bundle.supermodel import SELECTOR_WIDTHS
 from engine.errors import ConfigError
-
-#: Methods a federation can run over the network.
-FEDERATION_METHODS = ("fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra", "local")
+from engine.fl.catalogue import FEDERATION_METHODS
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
-        from engine.simulate import DEFAULT_LAM
+        from engine.fl.catalogue import DEFAULT_LAM
         from engine.tasks import get_task
 
         get_task(self.task)
@@ -125,7 +123,7 @@ class MethodSpec:
         if self.lam is None:
             object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
         if self.extra_rounds is None:
-            from engine.simulate import extra_rounds_default
+            from engine.fl.catalogue import extra_rounds_default
 
             object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
         if self.method in ("fedsm", "fedsm-extra"):

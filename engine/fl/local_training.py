@@ -224,7 +224,7 @@ class Device:
 
     @classmethod
     def resolve(cls, name: str) -> Device:
-        from engine.inference.device import resolve_device
+        from engine.device import resolve_device
 
         dev, amp = resolve_device(name)
         return cls(dev, amp)

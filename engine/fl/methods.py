@@ -81,7 +81,6 @@ from engine.fl.style_gate import (
     STATS_PART,
     calibration_distances,
     check_distance_histogram,
-    check_quantile,
     check_site_routing,
     check_style_statistics,
     distance_histogram,
@@ -93,6 +92,7 @@ from engine.fl.style_gate import (
 )
 from engine.fl.weights import Weights, all_finite, check_compatible, model_weights, subtract
 from engine.models import build_segmentation_net, build_selector
+from engine.models.style_gate_format import check_quantile
 from engine.tasks import TaskSpec
 
 if TYPE_CHECKING:

@@ -54,28 +54,18 @@ import torch
 
 from engine.errors import ConfigError
 from engine.fl.routing_choice import AUTO, chosen_rule
+from engine.models.style_gate_format import (
+    DESCRIPTOR,
+    GRADIENT_QUANTILES,
+    GRID,
+    QUANTILES,
+    SITE_ROUTINGS,
+    check_quantile,
+    descriptor_size,
+    per_channel,
+)
 
 log = logging.getLogger(__name__)
-
-#: Descriptor layout this engine computes and records in bundles; a new layout gets a new name
-#: and the old ones stay readable (:data:`PER_CHANNEL`), so older bundles keep routing as they did.
-DESCRIPTOR = "intensity-v2"
-
-#: Intensity quantiles of the descriptor.
-QUANTILES: tuple[float, ...] = (0.05, 0.25, 0.5, 0.75, 0.95)
-
-#: Gradient-magnitude quantiles of the ``intensity-v2`` descriptor (edge sharpness and contrast).
-GRADIENT_QUANTILES: tuple[float, ...] = (0.5, 0.9, 0.99)
-
-#: Side of the grid of regional means of the ``intensity-v2`` descriptor (bias field, vignetting,
-#: field of view).
-GRID = 3
-
-#: Descriptor values per image channel, per layout. ``intensity-v1``: mean, std, the quantiles,
-#: mean |dx|, mean |dy|. ``intensity-v2``: those, the GRID x GRID regional means, the gradient-
-#: magnitude quantiles and the noise level (median |Laplacian|).
-PER_CHANNEL: dict[str, int] = {"intensity-v1": 4 + len(QUANTILES),
-                               "intensity-v2": 4 + len(QUANTILES) + GRID * GRID + len(GRADIENT_QUANTILES) + 1}
 
 #: A site with too few distances for a conformal bound gets this factor times its largest
 #: (:func:`site_threshold`); the threshold is the median over sites (:func:`threshold_from_histograms`).
@@ -91,10 +81,6 @@ DEFAULT_QUANTILE = 0.95
 #: one more bin collects everything above the last edge.
 DISTANCE_EDGES: np.ndarray = np.logspace(-2, 6, 801)
 
-#: How a FedSM bundle picks an image's site: the trained selector and gamma (the paper's
-#: Algorithm 2), or the gate's nearest site (:func:`route_by_style`).
-SITE_ROUTINGS = ("selector", "style")
-
 #: Parts of the server's fitted gate a site receives in the last round: what it needs to score its
 #: images (``means``, ``precision``, ``sites``) and to refit the gate without one of its training
 #: cases (``dof``: the pooled within-site degrees of freedom, ``shrinkage``).
@@ -104,17 +90,6 @@ SITE_GATE_KEYS = ("means", "precision", "sites", "dof", "shrinkage")
 STATS_PART = "style_stats"
 GATE_PART = "style_gate"
 HIST_PART = "style_hist"
-
-
-def descriptor_size(channels: int, layout: str = DESCRIPTOR) -> int:
-    """Length of an image's descriptor for ``channels`` image channels in ``layout``."""
-    return _per_channel(layout) * int(channels)
-
-
-def _per_channel(layout: str) -> int:
-    if layout not in PER_CHANNEL:
-        raise ConfigError(f"unknown style descriptor {layout!r}; this FedSM knows {', '.join(PER_CHANNEL)}")
-    return PER_CHANNEL[layout]
 
 
 def style_descriptors(images: np.ndarray, layout: str = DESCRIPTOR) -> np.ndarray:
@@ -128,7 +103,7 @@ def style_descriptors(images: np.ndarray, layout: str = DESCRIPTOR) -> np.ndarra
     layout
         A key of :data:`PER_CHANNEL`; values are grouped per channel.
     """
-    per = _per_channel(layout)
+    per = per_channel(layout)
     x = np.asarray(images, dtype=np.float64)
     if x.ndim != 4:
         raise ConfigError(f"style descriptors need (N, C, H, W) images, got shape {x.shape}")
@@ -435,13 +410,6 @@ def threshold_from_histograms(hists: Sequence[Mapping[str, torch.Tensor]], quant
     return float(np.median(edges))
 
 
-def check_quantile(quantile: float) -> float:
-    """``quantile`` if it is a number in (0, 1]; :class:`ConfigError` otherwise."""
-    if isinstance(quantile, bool) or not isinstance(quantile, (int, float)) or not 0.0 < float(quantile) <= 1.0:
-        raise ConfigError(f"the style gate's quantile must be a number in (0, 1], got {quantile!r}")
-    return float(quantile)
-
-
 def parse_style_gate(value: object) -> float | None:
     """A style-gate setting: ``None``, ``"off"`` or ``false`` turn it off; a number or numeric text is the quantile."""
     if value is None or value is False or (isinstance(value, str) and value.strip().lower() in ("off", "none")):
@@ -493,36 +461,6 @@ def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -
             "precision": gate["precision"].double().tolist(),
             "threshold": threshold if np.isfinite(threshold) else None,
             "quantile": float(gate["quantile"].reshape(-1)[0])}
-
-
-def check_gate_metadata(meta: Mapping[str, object], site_names: Sequence[str], channels: int) -> None:
-    """Check a bundle's ``style_gate`` field; :class:`ConfigError` names the first problem."""
-    keys = {"descriptor", "sites", "means", "precision", "threshold", "quantile"}
-    if set(meta) != keys:
-        raise ConfigError(f"style_gate must have the keys {sorted(keys)}, got {sorted(meta)}")
-    if meta["descriptor"] not in PER_CHANNEL:
-        raise ConfigError(f"style_gate uses descriptor {meta['descriptor']!r}; this FedSM knows "
-                          f"{', '.join(PER_CHANNEL)}")
-    sites = meta["sites"]
-    if not isinstance(sites, list) or not sites or not all(s in site_names for s in sites) \
-            or len(set(sites)) != len(sites):
-        raise ConfigError(f"style_gate sites must be distinct names from site_names, got {sites!r}")
-    d = descriptor_size(channels, str(meta["descriptor"]))
-    try:
-        means = np.asarray(meta["means"], dtype=np.float64)
-        precision = np.asarray(meta["precision"], dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ConfigError("style_gate means and precision must be lists of numbers") from None
-    if means.shape != (len(sites), d) or precision.shape != (d, d):
-        raise ConfigError(f"style_gate means must be {len(sites)} x {d} and precision {d} x {d}, got "
-                          f"{means.shape} and {precision.shape}")
-    if not (np.isfinite(means).all() and np.isfinite(precision).all()):
-        raise ConfigError("style_gate means and precision must be finite numbers")
-    threshold = meta["threshold"]
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                  or not np.isfinite(threshold) or threshold < 0):
-        raise ConfigError(f"style_gate threshold must be a number >= 0 or null, got {threshold!r}")
-    check_quantile(meta["quantile"])  # type: ignore[arg-type]
 
 
 def gate_nearest(images: np.ndarray, meta: Mapping[str, object],

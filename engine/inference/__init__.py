@@ -2,7 +2,7 @@
 
 Routed model index convention everywhere: 0 = global model, k (1..K) = site k's personalized
 model. The routing rules are pure numpy and imported eagerly; the torch-based parts
-(:mod:`~engine.inference.device`, :mod:`~engine.inference.predictor`,
+(:mod:`~engine.device`, :mod:`~engine.inference.predictor`,
 :mod:`~engine.inference.run`) load on first use, so importing this package stays cheap.
 """
 
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
 
 if TYPE_CHECKING:
-    from engine.inference.device import resolve_device
+    from engine.device import resolve_device
     from engine.inference.predictor import Prediction, SuperModelPredictor
     from engine.inference.run import infer_path
 
 _LAZY = {
-    "resolve_device": "engine.inference.device",
+    "resolve_device": "engine.device",
     "Prediction": "engine.inference.predictor",
     "SuperModelPredictor": "engine.inference.predictor",
     "infer_path": "engine.inference.run",

@@ -131,9 +131,9 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
         Bad choice or gamma; an unreadable bundle.
     """
     from engine.data.datalist import load_datalist_with_info
-    from engine.data.label_conventions import DATALIST_KEY, convention_for, read_task_channels
-    from engine.data.preprocess import label_channels
+    from engine.data.preprocess import label_channels, read_task_channels
     from engine.inference.study import load_predictor, segment_with
+    from engine.io.label_conventions import DATALIST_KEY, convention_for
     from engine.io.readers import open_study
     from engine.tasks import get_task
 

@@ -17,9 +17,9 @@ from torch import nn
 
 from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
+from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
 from engine.fl.style_gate import gate_nearest, route_by_style
-from engine.inference.device import resolve_device
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
 from engine.models import build_segmentation_net, build_selector
@@ -125,7 +125,7 @@ class SuperModelPredictor:
         The super model (see :func:`engine.bundle.load_bundle`).
     device
         ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:<i>"`` (see
-        :func:`engine.inference.device.resolve_device`). On CUDA the networks run under fp16
+        :func:`engine.device.resolve_device`). On CUDA the networks run under fp16
         autocast.
 
     Raises

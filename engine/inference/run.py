@@ -221,7 +221,7 @@ def infer_path(
     gamma
         Routing threshold; ``None`` uses the bundle's. Ignored by FedSM-extra bundles.
     device
-        See :func:`engine.inference.device.resolve_device`.
+        See :func:`engine.device.resolve_device`.
     progress
         ``(done, total)`` over all inputs, in image-steps (each image or slice counts once for the
         selector and once for its U-Net). The total comes from file headers up front and is

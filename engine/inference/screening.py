@@ -44,8 +44,8 @@ _LABEL_NAME = re.compile(r"(^|[_\-.])(mask|masks|seg|segmentation|label|labels|g
 def datalist_labels(folder: Path) -> set[str]:
     """Resolved paths of the ``label`` files named by datalists in ``folder`` and its parent."""
     from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
-    from engine.data.label_conventions import DATALIST_KEY, convention_for
     from engine.errors import FedSMError
+    from engine.io.label_conventions import DATALIST_KEY, convention_for
 
     found: set[str] = set()
     for where in {folder, folder.parent}:

@@ -19,8 +19,8 @@ from torch import nn
 
 from engine.bundle.split import SplitBundle
 from engine.data.preprocess import resize_images
+from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
-from engine.inference.device import resolve_device
 from engine.inference.predictor import Prediction, SuperModelPredictor
 
 if TYPE_CHECKING:

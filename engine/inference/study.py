@@ -30,8 +30,8 @@ from engine.data.preprocess import (
     slices_to_volume,
     volume_to_slices,
 )
+from engine.device import resolve_device
 from engine.errors import ConfigError, DataError
-from engine.inference.device import resolve_device
 from engine.inference.postprocess import clean_fundus_masks
 from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
 from engine.inference.routing import check_gamma

@@ -21,7 +21,7 @@ voxels are placed where they belong and the rest is 0 (logged); :func:`read_mask
 interpolated.
 
 Values: a label map holds whole numbers 0..255. A ``convention``
-(:mod:`engine.data.label_conventions`) maps a dataset's values to the engine's; without one,
+(:mod:`engine.io.label_conventions`) maps a dataset's values to the engine's; without one,
 values are kept as stored and named ``"label N"``, except that a photo's map of values within
 {0, 1, 2} is taken as ORIGA style (1 rim, 2 cup), the form FedSM writes fundus masks in.
 """
@@ -40,7 +40,7 @@ from engine.errors import DataError
 from engine.io.study import LabelMap, Study
 
 if TYPE_CHECKING:
-    from engine.data.label_conventions import LabelConvention
+    from engine.io.label_conventions import LabelConvention
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
     study
         The opened image the mask belongs to.
     convention
-        A name or :class:`~engine.data.label_conventions.LabelConvention`, or ``None`` (values as
+        A name or :class:`~engine.io.label_conventions.LabelConvention`, or ``None`` (values as
         stored).
     allow_partial
         Whether a mask on a part of the study's grid is placed (the rest 0) or refused.
@@ -360,7 +360,7 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
     ConfigError
         When ``convention`` is not a known name.
     """
-    from engine.data.label_conventions import FUNDUS_NAMES, get_convention
+    from engine.io.label_conventions import FUNDUS_NAMES, get_convention
 
     conv = get_convention(convention) if isinstance(convention, str) else convention
     first = Path(path)

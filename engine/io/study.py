@@ -77,9 +77,20 @@ class SourceGrid:
 
     def to_source(self, canonical: np.ndarray) -> np.ndarray:
         """A view of a canonical-order array (``(X, Y, Z)``) in the source's voxel order."""
-        from engine.io.volumes import source_view
-
         return source_view(canonical, self.ornt)
+
+
+def source_view(canonical: np.ndarray, ornt: np.ndarray) -> np.ndarray:
+    """A view of a canonical array in the source's voxel order (writing into it fills ``canonical``).
+
+    Lets a reader fill the canonical array slice by slice in file order, without a second copy.
+    """
+    from nibabel.orientations import apply_orientation, axcodes2ornt, ornt_transform
+
+    view = apply_orientation(canonical, ornt_transform(axcodes2ornt("RAS"), ornt))
+    if not np.shares_memory(view, canonical):  # pragma: no cover - apply_orientation only flips/transposes
+        raise AssertionError("orientation view does not share memory")
+    return view
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import DataError
-from engine.io.study import SourceGrid, Study
+from engine.io.study import SourceGrid, Study, source_view
 
 log = logging.getLogger(__name__)
 
@@ -99,19 +99,6 @@ def canonical_layout(affine: np.ndarray, shape: tuple[int, int, int]) -> tuple[n
     canonical_affine = affine @ inv_ornt_aff(ornt, shape)
     canonical_shape = tuple(int(shape[int(np.flatnonzero(ornt[:, 0] == a)[0])]) for a in range(3))
     return ornt, canonical_affine, canonical_shape  # type: ignore[return-value]
-
-
-def source_view(canonical: np.ndarray, ornt: np.ndarray) -> np.ndarray:
-    """A view of a canonical array in the source's voxel order (writing into it fills ``canonical``).
-
-    Lets a reader fill the canonical array slice by slice in file order, without a second copy.
-    """
-    from nibabel.orientations import apply_orientation, axcodes2ornt, ornt_transform
-
-    view = apply_orientation(canonical, ornt_transform(axcodes2ornt("RAS"), ornt))
-    if not np.shares_memory(view, canonical):  # pragma: no cover - apply_orientation only flips/transposes
-        raise AssertionError("orientation view does not share memory")
-    return view
 
 
 def to_canonical(array: np.ndarray, affine: np.ndarray, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:

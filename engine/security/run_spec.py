@@ -88,7 +88,7 @@ class SiteBounds:
 
     def violations(self, spec: Mapping[str, Any]) -> list[str]:
         """What in the run's settings ``spec`` (a MethodSpec as a dict) breaks these bounds."""
-        from engine.federation.spec import FEDERATION_METHODS
+        from engine.fl.catalogue import FEDERATION_METHODS
         from engine.fl.registry import EXCHANGE_METHODS
 
         out = []

@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
+from engine.bench.plan import lam_label, plan_jobs
 from engine.bench.presets import get_preset
-from engine.bench.runner import lam_label, plan_jobs
 from engine.bench.tables import METHOD_TITLES
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,10 +7,11 @@ import pytest
 import torch
 from testsupport import random_split
 
+from engine.bench.bench_simulation import effective_lam, sweep_lam
 from engine.bench.cache import ENGINE_DIR, RESULT_SOURCES, JobKey, ResultCache, code_version, source_fingerprint
-from engine.bench.jobs import effective_lam, job_settings, sweep_lam
+from engine.bench.jobs import job_settings
+from engine.bench.plan import lam_label, plan_jobs
 from engine.bench.presets import MAIN_METHODS, get_preset
-from engine.bench.runner import lam_label, plan_jobs
 from engine.bench.tables import fmt, lam_rows, mean_std
 from engine.errors import ConfigError
 
@@ -62,7 +63,7 @@ def test_main_runs_raise_lam_to_one_over_k_but_the_sweep_trains_it_as_requested(
 
 
 def test_bench_simulation_trains_softpull_with_lam_below_one_over_k(tmp_path):
-    from engine.bench.jobs import BenchSimulation
+    from engine.bench.bench_simulation import BenchSimulation
     from engine.data.site_data import SiteData
     from engine.simulate import SimulationConfig
 
@@ -174,8 +175,9 @@ def test_settings_record_the_resolved_device():
 
 
 def test_cache_stores_provenance_and_report_summarises_it(tmp_path):
+    from engine.bench.plan import machine_label
     from engine.bench.report import provenance_line, provenance_summary
-    from engine.bench.runner import machine_info, machine_label
+    from engine.bench.runner import machine_info
 
     cache = ResultCache(tmp_path)
     a, b, c = (JobKey("fundus", "main", m, 0) for m in ("fedavg", "fedsm", "local"))

@@ -103,7 +103,7 @@ def test_restricted_preset_and_time_rows():
     lean = restrict_preset(get_preset("cpu-converged"), no_analyses=True)
     assert lean.perf and lean.lr_grid and lean.seeds == (0, 1, 2) and len(lean.methods) == 7
     assert not (lean.unseen_analysis or lean.lam_values or lean.personalizations or lean.split_seeds)
-    from engine.bench.runner import plan_jobs
+    from engine.bench.plan import plan_jobs
 
     assert {j.analysis for j in plan_jobs(lean)} == {"perf", "tune", "main"}
     results = {JobKey("fundus", "main", "fedsm", 0): {"job_wall_s": 300.0, "validation_s": 30.0},
@@ -114,7 +114,7 @@ def test_restricted_preset_and_time_rows():
 
 
 def test_cpu_converged_plan_tunes_first():
-    from engine.bench.runner import plan_jobs
+    from engine.bench.plan import plan_jobs
 
     jobs = plan_jobs(get_preset("cpu-converged"))
     first_main = next(i for i, j in enumerate(jobs) if j.analysis == "main")

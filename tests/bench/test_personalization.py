@@ -238,8 +238,8 @@ def test_the_rule_chosen_is_the_best_paired_over_both_tasks_and_only_complete_ru
 def test_cpu_converged_gives_each_seed_its_own_data_and_runs_every_rule_on_the_main_seeds():
     from engine.bench.cache import JobKey
     from engine.bench.jobs import job_settings
+    from engine.bench.plan import plan_jobs
     from engine.bench.presets import get_preset
-    from engine.bench.runner import plan_jobs
 
     preset = get_preset("cpu-converged")
     assert [preset.data_seed_for(s) for s in (0, 1, 2)] == [0, 1, 2]

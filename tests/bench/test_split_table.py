@@ -1,8 +1,8 @@
 """The BlackFed table of ``fedsm bench``: rows from cached results, compute counts, job planning."""
 
 from engine.bench.cache import JobKey
+from engine.bench.plan import plan_jobs
 from engine.bench.presets import get_preset
-from engine.bench.runner import plan_jobs
 from engine.bench.split_table import split_compute, split_rows, split_section
 from engine.fl.blackfed_nets import client_flops_per_image
 from engine.tasks import FUNDUS

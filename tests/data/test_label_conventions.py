@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from engine.data.datalist import write_datalist
-from engine.data.label_conventions import CONVENTIONS, convention_for, get_convention
 from engine.data.site_data import load_site
 from engine.errors import ConfigError, DataError
+from engine.io.label_conventions import CONVENTIONS, convention_for, get_convention
 from engine.tasks import get_task
 
 

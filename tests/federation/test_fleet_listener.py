@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from engine.federation.flower.fleet_listener import FleetOnly, read_recorded
-from engine.federation.flower.processes import free_port, port_open
+from engine.federation.flower.processes import free_port
+from engine.federation.preflight import port_open
 
 
 class EchoApp:

@@ -37,7 +37,7 @@ from engine.federation.config import load_federation_config
 from engine.federation.events import EventWriter, read_events
 from engine.federation.flower.fleet_listener import read_recorded
 from engine.federation.flower.processes import free_port
-from engine.fl.style_gate import descriptor_size
+from engine.models.style_gate_format import descriptor_size
 
 SITES = ["site1", "site2"]
 SITE_EVENT_KEYS = {

@@ -137,7 +137,7 @@ def test_the_operator_sees_the_signed_settings(pki):  # noqa: F811
 
 
 def test_every_method_is_allowed_by_default():
-    from engine.federation.spec import FEDERATION_METHODS
+    from engine.fl.catalogue import FEDERATION_METHODS
     from engine.fl.registry import EXCHANGE_METHODS
 
     for method in (*FEDERATION_METHODS, *EXCHANGE_METHODS):

@@ -10,9 +10,7 @@ from engine.errors import ConfigError
 from engine.fl.style_gate import (
     DISTANCE_EDGES,
     check_distance_histogram,
-    check_gate_metadata,
     check_style_statistics,
-    descriptor_size,
     distance_histogram,
     fit_style_gate,
     gate_metadata,
@@ -24,6 +22,7 @@ from engine.fl.style_gate import (
     style_statistics,
     threshold_from_histograms,
 )
+from engine.models.style_gate_format import check_gate_metadata, descriptor_size
 
 
 def test_descriptor_of_a_hand_made_image() -> None:

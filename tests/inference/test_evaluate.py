@@ -15,8 +15,7 @@ from engine.bundle import load_bundle, read_metadata, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.cli.main import main
 from engine.data.datalist import load_datalist_with_info
-from engine.data.label_conventions import read_task_channels
-from engine.data.preprocess import label_channels
+from engine.data.preprocess import label_channels, read_task_channels
 from engine.errors import ConfigError
 from engine.inference.evaluate import evaluate_bundle, structure_metrics
 from engine.io.readers import open_study

@@ -13,8 +13,8 @@ from torch import nn
 
 from engine.bundle import BundleMetadata, SuperModelBundle
 from engine.data.preprocess import resize_images
+from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError, DeviceError
-from engine.inference.device import resolve_device
 from engine.inference.predictor import Prediction, SuperModelPredictor
 from engine.models import build_segmentation_net, build_selector
 

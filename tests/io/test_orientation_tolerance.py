@@ -101,7 +101,7 @@ def test_validate_data_cli_option(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_training_loader_honours_the_tolerance(tmp_path: Path) -> None:
     """Datalist loading for training (read_task_channels) uses the tolerance `fedsm simulate` sets."""
-    from engine.data.label_conventions import read_task_channels
+    from engine.data.preprocess import read_task_channels
     from engine.tasks import get_task
 
     image, mask = _case(tmp_path, 1.0)

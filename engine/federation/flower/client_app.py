@@ -27,7 +27,7 @@ import numpy as np
 
 from engine.errors import CancelledError, ConfigError, DataError, WeightsError
 from engine.federation.checkpoint import load_site_state_before, save_site_state
-from engine.federation.events import EventWriter
+from engine.federation.events import EventWriter, PendingReport
 from engine.federation.flower import records
 
 if TYPE_CHECKING:
@@ -42,13 +42,6 @@ log = logging.getLogger(__name__)
 
 #: Errors whose message may be shown to the coordinator (they name no local file).
 _SHAREABLE_ERRORS = (WeightsError,)
-
-
-@dataclass
-class PendingReport:
-    """Events a site emits once its reply has left (``sent``, ``metrics``, ``round_end``)."""
-
-    emit: Callable[[], None]
 
 
 @dataclass
@@ -255,4 +248,4 @@ def build_client_app(worker: SiteWorker) -> ClientApp:
     return app
 
 
-__all__ = ["PendingReport", "SiteWorker", "build_client_app", "shareable_reason"]
+__all__ = ["SiteWorker", "build_client_app", "shareable_reason"]

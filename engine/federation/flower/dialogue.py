@@ -48,8 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import CancelledError, ConfigError, FedSMError, WeightsError
 from engine.federation.checkpoint import Checkpoint, load_site_state_before, save_site_state
+from engine.federation.events import PendingReport
 from engine.federation.flower import records
-from engine.federation.flower.server_app import CheckpointWriter, FederationRunner, exchange
+from engine.federation.flower.grid_exchange import exchange
+from engine.federation.flower.server_app import CheckpointWriter, FederationRunner
 
 if TYPE_CHECKING:
     from flwr.app import Message, RecordDict
@@ -194,7 +196,7 @@ class DialogueRunner(FederationRunner):
         """
         from flwr.app import Message
 
-        from engine.federation.flower.server_app import QUERY
+        from engine.federation.flower.grid_exchange import QUERY
         from engine.fl.methods import SiteInstructions
 
         final_models = getattr(self.method, "final_models", None)
@@ -397,7 +399,6 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     after every answer (``state/<session>/after-round-N``), so a restarted site resumes from
     the round before.
     """
-    from engine.federation.flower.client_app import PendingReport
     from engine.fl.exchange import ExchangeMethod
     from engine.fl.methods import SiteRuntime
 
@@ -472,7 +473,6 @@ def receive_final(worker: Any, content: RecordDict) -> RecordDict:
     """
     from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
-    from engine.federation.flower.client_app import PendingReport
     from engine.fl.exchange import ExchangeMethod
     from engine.fl.methods import SiteRuntime
     from engine.fl.weights import all_finite

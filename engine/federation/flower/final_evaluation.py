@@ -120,7 +120,7 @@ def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> di
     """
     from flwr.app import Message
 
-    from engine.federation.flower.server_app import QUERY, exchange
+    from engine.federation.flower.grid_exchange import QUERY, exchange
 
     if "global" not in state or runner.method.name == "local":
         return {}  # dialogue methods and local training: no shared final model to send

@@ -19,7 +19,7 @@ from base64 import b64decode
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.federation.flower.request_body import Scope
+from engine.federation.flower.asgi import Scope
 
 
 def _spki(pem: bytes) -> bytes | None:

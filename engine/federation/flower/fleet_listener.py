@@ -37,16 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.federation.flower.request_body import (
-    App,
-    Message,
-    Receive,
-    Scope,
-    Send,
-    WholeBody,
-    read_body,
-    replaying,
-)
+from engine.federation.flower.asgi import App, Message, Receive, Scope, Send
+from engine.federation.flower.request_body import WholeBody, read_body, replaying
 from engine.federation.flower.upload_limits import MAX_BODY as UPLOAD_MAX_BODY
 from engine.federation.flower.upload_limits import (
     MAX_INFLIGHT,

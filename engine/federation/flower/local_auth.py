@@ -30,7 +30,7 @@ import os
 import secrets
 from typing import Any
 
-from engine.federation.flower.request_body import App, Receive, Scope, Send
+from engine.federation.flower.asgi import App, Receive, Scope, Send
 
 #: Environment variable through which a Flower child receives its parent's secret.
 ENV = "FEDSM_LOCAL_SECRET"

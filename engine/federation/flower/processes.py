@@ -22,6 +22,7 @@ from pathlib import Path
 
 from engine.errors import FedSMError
 from engine.federation.flower import FLOWER_ENV
+from engine.federation.preflight import port_open
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
-    """Whether something accepts TCP connections on ``host:port``."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None,

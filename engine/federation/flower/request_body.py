@@ -15,14 +15,10 @@ sites' side :class:`.fleet_listener.FleetOnly` bounds a body before reading it (
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-App = Callable[[Scope, Receive, Send], Awaitable[None]]
+from engine.federation.flower.asgi import App, Message, Receive, Scope, Send
+from engine.federation.flower.local_auth import guard, secret_from_environment
 
 
 class WholeBody:
@@ -81,8 +77,6 @@ def wrap_supernode_runtime_api() -> None:
     build = supernode_main.create_app
     if getattr(build, "wraps_whole_body", False):
         return
-
-    from engine.federation.flower.local_auth import guard, secret_from_environment
 
     def create_app(*args: Any, **kwargs: Any) -> Any:
         # only the site process that started this SuperNode reaches its Runtime API (local_auth)

@@ -26,6 +26,7 @@ from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.federation.checkpoint import KEEP_CHECKPOINTS, Checkpoint
 from engine.federation.events import EventWriter
 from engine.federation.flower import records
+from engine.federation.flower.grid_exchange import QUERY, TRAIN, exchange
 from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TRAIN = "train"
-QUERY = "query"
 
 
 @dataclass(frozen=True)
@@ -105,67 +104,6 @@ class SelfNamedSites:
         return latest
 
 
-#: Seconds between checks, while waiting for answers, whether the sites' nodes are still connected.
-NODE_CHECK_INTERVAL = 1.0
-
-
-def exchange(grid: Grid, messages: Mapping[str, Message], timeout: float, poll_interval: float,
-             cancel: Callable[[], bool] | None = None,
-             on_reply: Callable[[str, Message], None] | None = None) -> tuple[dict[str, Message], dict[str, str]]:
-    """Send ``{key: message}`` and collect replies until all answered or ``timeout`` passed.
-
-    ``on_reply(key, reply)`` is called as each reply arrives, so replies are processed while
-    slower sites are still training. A site whose node disconnects while the coordinator waits
-    (its process stopped or died) is given up at once instead of at the timeout.
-
-    Returns
-    -------
-    replies, missing
-        Replies by key, and a reason for every key without a reply.
-    """
-    if not messages:
-        return {}, {}
-    keys = list(messages)
-    ids = list(grid.push_messages([messages[k] for k in keys]))
-    pending: dict[str, str] = {}
-    missing: dict[str, str] = {}
-    for key, msg_id in zip(keys, ids, strict=True):
-        if msg_id:
-            pending[msg_id] = key
-        else:
-            missing[key] = "the coordinator could not queue its message"
-    replies: dict[str, Message] = {}
-    node_of = {msg_id: messages[key].metadata.dst_node_id for msg_id, key in pending.items()}
-    deadline = time.monotonic() + timeout
-    next_node_check = time.monotonic() + NODE_CHECK_INTERVAL
-    while pending:
-        for reply in grid.pull_messages(list(pending)):
-            key = pending.pop(reply.metadata.reply_to_message_id, None)
-            if key is not None:
-                replies[key] = reply
-                if on_reply is not None:
-                    on_reply(key, reply)
-        # replies the grid gave up (refused by the SuperLink's limits, or stalled): left out with the reason
-        failed = getattr(grid, "failed_replies", None)
-        for msg_id in [m for m in pending if failed and m in failed]:
-            missing[pending.pop(msg_id)] = failed.pop(msg_id)
-        if not pending:
-            break
-        if cancel is not None and cancel():
-            raise CancelledError("the coordinator was stopped while waiting for sites")
-        if time.monotonic() >= deadline:
-            break
-        if time.monotonic() >= next_node_check:
-            next_node_check = time.monotonic() + NODE_CHECK_INTERVAL
-            online = {n.node_id for n in grid.get_nodes() if n.status == "online"}
-            for msg_id in [m for m in pending if node_of[m] not in online]:
-                missing[pending.pop(msg_id)] = "disconnected while the coordinator waited for its answer"
-            if not pending:
-                break
-        time.sleep(poll_interval)
-    for key in pending.values():
-        missing[key] = f"no answer within {timeout:g} s"
-    return replies, missing
 
 
 @dataclass

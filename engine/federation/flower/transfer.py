@@ -181,7 +181,7 @@ class PromptHttpGrid(HttpGrid):
     is dropped, and so is, at once, a reply the SuperLink refused (``refused``:
     :class:`.upload_limits.RefusedReplies`); either way the reason is kept in
     ``failed_replies`` under the id of the message it answers (read by the round loop,
-    :func:`.server_app.exchange`). ``cancel`` stops a pull at once.
+    :func:`.grid_exchange.exchange`). ``cancel`` stops a pull at once.
     """
 
     pull_timeout: float = 60.0

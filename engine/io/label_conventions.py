@@ -24,7 +24,7 @@ prostate). The label map becomes the task's channels through
 prostate: ``> 0``), the one place that mapping lives.
 
 Only numpy is imported at module level; reading files is :mod:`engine.io.masks`' job, which
-:func:`read_task_channels` calls.
+:func:`engine.data.preprocess.read_task_channels` calls with a convention from here.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ import numpy as np
 from engine.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
-    from engine.io.study import Study
-    from engine.tasks import TaskSpec
+    pass
 
 PathLike = str | os.PathLike[str]
 
@@ -199,27 +198,3 @@ def convention_for(task: str | None, stated: object = None, override: str | None
         raise ConfigError(f"label convention {convention.name!r} does not suit the {task} task (it gives "
                           f"{'disc and cup' if task == 'fundus' else 'one structure'}); use one of: {', '.join(suits)}")
     return convention
-
-
-def read_task_channels(task: TaskSpec, label: PathLike, study: Study,
-                       convention: LabelConvention | None = None) -> np.ndarray:
-    """A case's mask file(s), read onto its study through a convention, as the task's binary channels.
-
-    Returns
-    -------
-    numpy.ndarray
-        ``float32 (task.out_channels, *study.shape)`` (fundus: disc, cup; prostate: gland).
-
-    Raises
-    ------
-    DataError
-        When the mask is missing, unreadable, off the study's grid (partial masks included) or
-        holds values the convention does not use.
-    """
-    from engine.data.preprocess import label_channels
-    from engine.io.masks import read_mask
-
-    conv = convention if convention is not None else convention_for(task.name)
-    labels = read_mask(label, study, conv, allow_partial=False).labels.array
-    return label_channels(task, labels)
-
