@@ -6,14 +6,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine import catalogue
 from engine.io.atomic import write_text_atomic
 from engine.tasks import TaskSpec
 
-METHOD_TITLES = {
-    "centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
-    "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
-    "blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2", "split-whitebox": "White-box split", "fediod": "FedIOD",
-}
+#: Titles of the dialogue methods; the weight methods' titles are in :mod:`engine.catalogue`.
+DIALOGUE_TITLES = {"blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2", "split-whitebox": "White-box split",
+                   "fediod": "FedIOD"}
+
+
+def method_title(name: str) -> str:
+    """How reports name a method: its catalogue title, a dialogue method's, else the name itself."""
+    if name in catalogue.method_names():
+        return catalogue.method(name).title
+    return DIALOGUE_TITLES.get(name, name)
 
 
 def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str, Any]) -> dict[str, Any]:
@@ -143,14 +149,14 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "|---" * (len(sites) + 3) + "|"]
         for name, r in report["methods"].items():
             cells = [_fmt(r["dice"][s][structure]) for s in sites]
-            lines.append(f"| {METHOD_TITLES.get(name, name)} | " + " | ".join(cells)
+            lines.append(f"| {method_title(name)} | " + " | ".join(cells)
                          + f" | {_fmt(r['client_average'][structure])} | {_fmt(r['pooled'][structure])} |")
     for name in ("fedsm", "fedsm-extra"):
         r = report["methods"].get(name)
         if not r:
             continue
         extra = r["extra"]
-        lines += ["", f"## {METHOD_TITLES[name]}: selector and routing", "",
+        lines += ["", f"## {method_title(name)}: selector and routing", "",
                   f"Selector accuracy on held-out images of participating sites: "
                   f"{extra['selector_accuracy']['overall']:.4f} "
                   + "(" + ", ".join(f"{s} {extra['selector_accuracy'].get(s, float('nan')):.3f}" for s in sites) + ")",
@@ -175,7 +181,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name, t in report["traffic"].items():
         if isinstance(t, dict) and "received_per_site_round" in t:
             title = ("FedSM with VGG-11's classic selector head (computed, not run)"
-                     if name == "fedsm_classic_selector_head" else METHOD_TITLES.get(name, name))
+                     if name == "fedsm_classic_selector_head" else method_title(name))
             lines.append(f"| {title} | {_mib(t['received_per_site_round'])} | "
                          f"{_mib(t['sent_per_site_round'])} |")
     keep = cfg.get("keep_best", False)
@@ -184,11 +190,11 @@ def render_markdown(report: dict[str, Any]) -> str:
               "|---|---|---|"]
     for name, r in report["methods"].items():
         best = r.get("best_round")
-        lines.append(f"| {METHOD_TITLES.get(name, name)} | {r['wall_s']:.1f} | {best if best is not None else '—'} |")
+        lines.append(f"| {method_title(name)} | {r['wall_s']:.1f} | {best if best is not None else '—'} |")
     if report.get("supermodel"):
         lines += ["", "## Super model", ""]
         for name, s in report["supermodel"].items():
-            title = METHOD_TITLES.get(name, name)
+            title = method_title(name)
             if s.get("error"):
                 lines.append(f"- {title}: not written ({s['error']})")
                 continue
@@ -210,7 +216,7 @@ def per_site_evidence_lines(report: dict[str, Any], method: str, sites: list[str
     local = report["methods"].get("local")
     routing = r["extra"].get("routing", {})
     rule = r["extra"].get("personalization", "softpull")
-    lines = ["", f"### {METHOD_TITLES.get(method, method)} per site: does the super model help each site?", "",
+    lines = ["", f"### {method_title(method)} per site: does the super model help each site?", "",
              f"Mean test Dice at each site (personalized models trained with {rule}): the routed super model, the "
              "global model alone, the site's own personalized model, and the site's Local model where the run "
              "trained one; then the share of the site's test images routed to the global model, to the site's own "
@@ -242,14 +248,14 @@ _LOCAL_OOD_MODELS = {
 
 def _local_ood_family(name: str) -> str:
     """The local/OOD table's method family of ``name`` (a key of :data:`_LOCAL_OOD_MODELS`)."""
-    from engine.bundle.supermodel import SINGLE_MODEL_METHODS
+    from engine.bundle.supermodel import single_model_methods
     from engine.fl.registry import SPLIT_LEARNING_METHODS
 
     if name in SPLIT_LEARNING_METHODS:
         return "split"
     if name == "local":
         return "local"
-    if name in SINGLE_MODEL_METHODS:
+    if name in single_model_methods():
         return "global"
     if name.startswith("fedsm"):
         return "personalized"
@@ -266,7 +272,7 @@ def local_ood_caption(methods: list[str]) -> str:
     """
     families: dict[str, list[str]] = {}
     for name in methods:
-        families.setdefault(_local_ood_family(name), []).append(METHOD_TITLES.get(name, name))
+        families.setdefault(_local_ood_family(name), []).append(method_title(name))
     clauses = [f"{', '.join(titles)}: {_LOCAL_OOD_MODELS[family]}" for family, titles in families.items()]
     return ("Dice of the model each site segments with, on its own test set (local) and on the other sites' test "
             "sets (OOD, mean). " + "; ".join(clauses) + ".")
@@ -282,7 +288,7 @@ def _local_ood_lines(report: dict[str, Any], sites: list[str]) -> list[str]:
              "|---" * (2 * len(sites) + 1) + "|"]
     for name, per_site in rows.items():
         cells = [f"{_fmt(per_site[s]['local'])} | {_fmt(per_site[s]['ood'])}" for s in sites]
-        lines.append(f"| {METHOD_TITLES.get(name, name)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {method_title(name)} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.catalogue import DEFAULT_LAM, extra_rounds_default, method_names
 from engine.errors import ConfigError, FedSMError
-from engine.fl.catalogue import ALL_METHODS, DEFAULT_LAM, extra_rounds_default
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,10 @@ class SimulationConfig:
             self.sites = len(self.datalists)
         from engine.fl.registry import EXCHANGE_METHODS
 
-        unknown = [m for m in self.methods if m not in ALL_METHODS and m not in EXCHANGE_METHODS]
+        unknown = [m for m in self.methods if m not in method_names() and m not in EXCHANGE_METHODS]
         if unknown:
             raise ConfigError(f"unknown method(s) {unknown}; choose from "
-                              f"{', '.join([*ALL_METHODS, *EXCHANGE_METHODS])}")
+                              f"{', '.join([*method_names(), *EXCHANGE_METHODS])}")
         if not self.methods:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
@@ -282,24 +282,11 @@ class Simulation:
 
     # --- methods -------------------------------------------------------------------------
     def _build_method(self, name: str) -> Any:
-        from engine.fl import methods as m
+        from engine.catalogue import build_method, method
 
-        names = [s.name for s in self.sites]
-        cfg, training = self.cfg, self.cfg.training()
-        if name == "fedprox":
-            return m.FedProx(self.task, names, training, cfg.seed, cfg.rounds, mu=cfg.prox_mu)
-        if name == "fedsm":
-            auto = cfg.gamma == "auto"  # gamma chosen by the federation; 0.6 only labels the fallback
-            return m.FedSM(self.task, names, training, cfg.seed, cfg.rounds, lam=cfg.lam,
-                           gamma=0.6 if auto else float(cfg.gamma), selector_calibration=cfg.selector_calibration,
-                           selector_warmup=cfg.selector_warmup, gamma_pass=cfg.gamma_pass if auto else None,
-                           style_gate=cfg.style_gate, site_routing=cfg.site_routing,
-                           personalization=cfg.personalization)
-        if name == "fedsm-extra":  # argmax routing: gamma is not used
-            return m.FedSMExtra(self.task, names, cfg.training(per_batch_selector=True), cfg.seed, cfg.rounds,
-                                lam=cfg.lam, gamma=0.6 if cfg.gamma == "auto" else float(cfg.gamma),
-                                extra_rounds=cfg.extra_rounds)
-        return m.METHODS[name](self.task, names, training, cfg.seed, cfg.rounds)
+        training = self.cfg.training(per_batch_selector=method(name).per_batch_selector)
+        return build_method(name, self.task, [s.name for s in self.sites], training, self.cfg.seed, self.cfg.rounds,
+                            self.cfg)
 
     def run_method(self, name: str) -> MethodResult:
         """Train and evaluate one method."""
@@ -660,7 +647,7 @@ class Simulation:
         bundles: dict[str, Any] = {}
         from engine.fl.registry import EXCHANGE_METHODS
 
-        order = [m for m in ALL_METHODS if m in self.cfg.methods]
+        order = [m for m in method_names() if m in self.cfg.methods]
         order += [m for m in self.cfg.methods if m in EXCHANGE_METHODS and m not in order]
         for name in order:
             log.info("method %s: %d rounds over %d sites", name, self.cfg.rounds, len(self.sites))

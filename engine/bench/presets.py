@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine import catalogue
 from engine.errors import ConfigError
 
 #: Methods of the BlackFed comparison (its paper's Tables 2-3), in table order.
 SPLIT_METHODS = ("local", "blackfed-v1", "blackfed-v2", "split-whitebox", "fedavg", "centralized")
 
 #: Methods of the main comparison (the paper's Table 3), in table order.
-MAIN_METHODS = ("centralized", "local", "fedavg", "fedprox", "scaffold", "fedsm", "fedsm-extra")
+MAIN_METHODS = catalogue.method_names()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine import catalogue
 from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
 from engine.bench.plan import ALL_TASKS, machine_label, plan_jobs
@@ -32,6 +33,15 @@ DEFAULT_READING = "_No reading written yet: add one between the reading markers;
 RECIPE_START, RECIPE_END = "<!-- recipe:start -->", "<!-- recipe:end -->"
 T = tables.METHOD_TITLES
 
+
+
+def _paired_methods() -> list[tuple[str, str]]:
+    """``(method, baseline)`` pairs the main table's paired differences report: each method against the ones
+    its catalogue entry names, FedSM's family (the methods whose bundles route) first."""
+    names = catalogue.method_names()
+    routed = [n for n in names if catalogue.method(n).routing in ("gamma", "argmax")]
+    return [(a, b) for a in [*routed, *(n for n in names if n not in routed)]
+            for b in catalogue.method(a).compared_with]
 
 def collect_docs(cache: ResultCache, preset: BenchPreset,
                  settings_for: Callable[[JobKey], dict[str, Any]]) -> dict[JobKey, dict[str, Any]]:
@@ -143,9 +153,7 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
                              "this section's tables and plots")
     by = {r["method"]: r for r in rows}
     lines += ["", "Paired differences in client-average mean Dice (same data and seed; mean ± std over seeds):", ""]
-    for a, b in (("fedsm", "fedavg"), ("fedsm", "centralized"), ("fedsm", "local"), ("fedsm-extra", "fedsm"),
-                 ("fedsm-extra", "fedavg"), ("fedavg", "centralized"), ("fedprox", "fedavg"),
-                 ("scaffold", "fedavg")):
+    for a, b in _paired_methods():
         if a in by and b in by:
             lines.append(f"- {T[a]} − {T[b]}: {_diff(tables.paired_difference(results, task_name, a, b))}")
     lines += _best_round_lines(results, preset, task_name)

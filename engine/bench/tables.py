@@ -12,22 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from engine import catalogue
 from engine.bench.cache import JobKey
 
 Results = Mapping[JobKey, dict[str, Any]]
 
-METHOD_TITLES = {"centralized": "Centralized", "local": "Local", "fedavg": "FedAvg", "fedprox": "FedProx",
-                 "scaffold": "Scaffold", "fedsm": "FedSM", "fedsm-extra": "FedSM-extra",
+METHOD_TITLES = {**{name: catalogue.method(name).title for name in catalogue.method_names()},
                  "fedsm-finetune": "FedSM + local fine-tuning", "fedsm-apfl": "FedSM + APFL",
                  "fedsm-perfedavg": "FedSM + Per-FedAvg", "fedsm-pfedme": "FedSM + pFedMe",
                  "softpull": "FedSM + SoftPull (FedSM)"}
 
 #: Client-average Dice the paper reports (Table 3: retinal = fundus, prostate).
-PAPER_CLIENT_AVERAGE = {
-    "fundus": {"centralized": 0.8898, "fedavg": 0.8710, "fedprox": 0.8434, "scaffold": 0.8141, "fedsm": 0.8914,
-               "fedsm-extra": 0.8905},
-    "prostate": {"centralized": 0.8737, "fedavg": 0.8684, "fedsm": 0.8763},
-}
+PAPER_CLIENT_AVERAGE = {task: {name: catalogue.method(name).paper_dice[task] for name in catalogue.method_names()
+                               if task in catalogue.method(name).paper_dice} for task in ("fundus", "prostate")}
 
 
 def mean_std(values: Iterable[float | None]) -> tuple[float, float, int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.bundle.supermodel import SINGLE_MODEL_METHODS, BundleMetadata, SuperModelBundle
+from engine.bundle.supermodel import BundleMetadata, SuperModelBundle, single_model_methods
 from engine.errors import ConfigError
 from engine.tasks import get_task
 
@@ -29,7 +29,7 @@ def single_model_bundle(task: str, method: str, weights: Mapping[str, torch.Tens
     task
         ``"fundus"`` or ``"prostate"``.
     method
-        One of :data:`engine.bundle.supermodel.SINGLE_MODEL_METHODS`.
+        One of :func:`engine.bundle.supermodel.single_model_methods`.
     weights
         The global U-Net's state dict.
     site_names
@@ -44,9 +44,9 @@ def single_model_bundle(task: str, method: str, weights: Mapping[str, torch.Tens
     ConfigError
         For a method that is not a single-model method, or invalid metadata.
     """
-    if method not in SINGLE_MODEL_METHODS:
+    if method not in single_model_methods():
         raise ConfigError(f"{method!r} does not produce a single global model; use one of "
-                          f"{', '.join(SINGLE_MODEL_METHODS)}")
+                          f"{', '.join(single_model_methods())}")
     spec = get_task(task)
     meta = BundleMetadata(
         task=spec.name, label_names=list(spec.label_names), in_channels=spec.in_channels, image_size=image_size,

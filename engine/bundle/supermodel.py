@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import engine
+from engine import catalogue
+from engine.catalogue import ROUTINGS
 from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
 from engine.tasks import get_task
@@ -46,14 +48,24 @@ BUNDLE_FORMAT_VERSION = 1
 #: safetensors metadata key holding the :class:`BundleMetadata` JSON.
 METADATA_KEY = "fedsm"
 
-#: Methods whose result is one global model: a *single-model bundle* (routing ``"none"``: no
-#: selector, no personalized models; ``site_names`` are the sites that trained it).
-SINGLE_MODEL_METHODS = ("fedavg", "fedprox", "scaffold", "centralized", "fediod")
-METHODS = ("fedsm", "fedsm-extra", *SINGLE_MODEL_METHODS)
-ROUTINGS = ("gamma", "argmax", "none")
-#: FedSM routes with a gamma threshold over K sites; FedSM-extra with an argmax over K+1 models;
-#: single-model bundles do not route.
-ROUTING_OF_METHOD = {"fedsm": "gamma", "fedsm-extra": "argmax", **{m: "none" for m in SINGLE_MODEL_METHODS}}
+#: Dialogue methods whose result is one model (a single-model bundle); weight methods say how their
+#: bundle routes in the catalogue (:data:`engine.catalogue.WeightMethod.routing`).
+SINGLE_MODEL_DIALOGUE_METHODS = ("fediod",)
+
+
+def single_model_methods() -> tuple[str, ...]:
+    """Methods whose result is one global model: a *single-model bundle* (routing ``"none"``: no
+    selector, no personalized models; ``site_names`` are the sites that trained it)."""
+    return (*catalogue.single_model_methods(), *SINGLE_MODEL_DIALOGUE_METHODS)
+
+
+def routing_of_method(method: str) -> str | None:
+    """How ``method``'s bundle routes (FedSM: a gamma threshold over K sites; FedSM-extra: an argmax over
+    K+1 models; single-model bundles: ``"none"``); ``None`` for a method that writes no bundle."""
+    if method in SINGLE_MODEL_DIALOGUE_METHODS:
+        return "none"
+    return catalogue.bundle_routing(method) if method in catalogue.method_names() else None
+
 SELECTOR_HEADS = ("gap", "classic")
 #: Selector backbone widths (:data:`engine.models.selector.SELECTOR_WIDTHS`, repeated here so that reading a
 #: bundle's metadata needs no torch; tests/bundle check that the two agree).
@@ -269,14 +281,14 @@ class BundleMetadata:
             check_site_name(name)
         if len(set(self.site_names)) != len(self.site_names):
             raise ConfigError(f"site_names has duplicates: {self.site_names}; give every site its own name")
-        if self.method not in METHODS:
-            raise ConfigError(f"method must be one of {METHODS}, got {self.method!r}")
+        method_routing = routing_of_method(self.method)
+        if method_routing is None:
+            known = [m for m in (*catalogue.method_names(), *SINGLE_MODEL_DIALOGUE_METHODS) if routing_of_method(m)]
+            raise ConfigError(f"method must be one of {tuple(known)}, got {self.method!r}")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
-        if ROUTING_OF_METHOD[self.method] != self.routing:
-            raise ConfigError(
-                f"method {self.method!r} routes with {ROUTING_OF_METHOD[self.method]!r}, not {self.routing!r}"
-            )
+        if method_routing != self.routing:
+            raise ConfigError(f"method {self.method!r} routes with {method_routing!r}, not {self.routing!r}")
         if not _is_number(self.lam) or not 0.0 <= self.lam <= 1.0:
             raise ConfigError(f"lam must be a number in [0, 1] (FedSM uses [1/K, 1]), got {self.lam!r}")
         if self.personalization not in PERSONALIZATION_RULES:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import engine
-from engine import api
+from engine import api, catalogue
 from engine.cli.common import set_threads, setup_logging
 from engine.errors import CancelledError, ConfigError, FedSMError
 
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sites", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", type=_methods, default=("fedavg", "fedsm"),
-                   help="comma-separated: centralized,local,fedavg,fedprox,scaffold,fedsm,fedsm-extra; "
+                   help=f"comma-separated: {','.join(catalogue.method_names())}; "
                         "dialogue methods: blackfed-v1,blackfed-v2,split-whitebox,fediod")
     p.add_argument("--image-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)

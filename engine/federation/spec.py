@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine.bundle.supermodel import SELECTOR_WIDTHS
+from engine.catalogue import federation_methods
 from engine.errors import ConfigError
-from engine.fl.catalogue import FEDERATION_METHODS
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,15 @@ class MethodSpec:
 
     def __post_init__(self) -> None:
         from engine.bundle import check_site_name
-        from engine.fl.catalogue import DEFAULT_LAM
+        from engine.catalogue import DEFAULT_LAM
         from engine.tasks import get_task
 
         get_task(self.task)
         from engine.fl.registry import EXCHANGE_METHODS
 
-        if self.method not in FEDERATION_METHODS and self.method not in EXCHANGE_METHODS:
+        if self.method not in federation_methods() and self.method not in EXCHANGE_METHODS:
             raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
-                              f"{', '.join([*FEDERATION_METHODS, *EXCHANGE_METHODS])}")
+                              f"{', '.join([*federation_methods(), *EXCHANGE_METHODS])}")
         names = tuple(self.site_names)
         for name in names:
             check_site_name(name)
@@ -123,7 +123,7 @@ class MethodSpec:
         if self.lam is None:
             object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
         if self.extra_rounds is None:
-            from engine.fl.catalogue import extra_rounds_default
+            from engine.catalogue import extra_rounds_default
 
             object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
         if self.method in ("fedsm", "fedsm-extra"):
@@ -183,7 +183,7 @@ class MethodSpec:
 
 def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
-    from engine.fl import methods as m
+    from engine import catalogue
     from engine.fl.local_training import LocalTrainingConfig
     from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
     from engine.fl.selector_schemes import default_selector_lr
@@ -195,7 +195,7 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
         settings = {k: v for k, v in asdict(spec).items() if k != "options"} | dict(spec.options) | {"device": device}
         return build_exchange_method(spec.method, task, names, settings)
     # FedSM-extra keeps the per-batch selector (and its small lr); FedSM's depends on the calibration
-    scheme = "lda" if spec.method == "fedsm-extra" else spec.selector_calibration
+    scheme = "lda" if catalogue.method(spec.method).per_batch_selector else spec.selector_calibration
     training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
                                    selector_lr=default_selector_lr(scheme, spec.selector_lr),
                                    selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
@@ -203,16 +203,4 @@ def build_method(spec: MethodSpec, device: str = "auto") -> Any:
                                    selector_head=spec.selector_head, selector_width=spec.selector_width,
                                    prox_mu=spec.prox_mu, device=device,
                                    lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
-    if spec.method == "fedprox":
-        return m.FedProx(task, names, training, spec.seed, spec.rounds, mu=spec.prox_mu)
-    auto = spec.gamma == "auto"  # the federation chooses gamma (FedSM); 0.6 only labels the fallback
-    if spec.method == "fedsm":
-        return m.FedSM(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
-                       gamma=0.6 if auto else float(spec.gamma), selector_calibration=spec.selector_calibration,
-                       selector_warmup=int(spec.selector_warmup), gamma_pass=spec.gamma_pass if auto else None,
-                       style_gate=spec.style_gate, site_routing=spec.site_routing,
-                       personalization=spec.personalization)
-    if spec.method == "fedsm-extra":  # argmax routing: gamma is not used
-        return m.FedSMExtra(task, names, training, spec.seed, spec.rounds, lam=float(spec.lam or 0),
-                            gamma=0.6 if auto else float(spec.gamma), extra_rounds=int(spec.extra_rounds or 1))
-    return m.METHODS[spec.method](task, names, training, spec.seed, spec.rounds)
+    return catalogue.build_method(spec.method, task, names, training, spec.seed, spec.rounds, spec)

@@ -174,6 +174,15 @@ class FederatedMethod(ABC):
 
     name: ClassVar[str]
 
+    @classmethod
+    def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
+                      rounds: int, settings: Any) -> FederatedMethod:
+        """The method for a run's settings (:class:`engine.simulate.SimulationConfig` or
+        :class:`engine.federation.spec.MethodSpec`: the attributes a method reads have the same names in
+        both). :func:`engine.catalogue.build_method` calls this; a method with options of its own overrides it.
+        """
+        return cls(task, site_names, training, seed, rounds)
+
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1) -> None:
         if rounds < 1:
@@ -295,6 +304,11 @@ class FedProx(FedAvg):
         if mu < 0:
             raise ConfigError(f"FedProx mu must be >= 0, got {mu}")
         self.mu = mu
+
+    @classmethod
+    def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
+                      rounds: int, settings: Any) -> FedProx:
+        return cls(task, site_names, training, seed, rounds, mu=settings.prox_mu)
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
         return SiteInstructions(rnd, {"global": state["global"]}, {"prox_mu": self.mu})
@@ -461,6 +475,16 @@ class FedSM(FederatedMethod):
     """
 
     name = "fedsm"
+
+    @classmethod
+    def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
+                      rounds: int, settings: Any) -> FedSM:
+        auto = settings.gamma == "auto"  # the federation chooses gamma; 0.6 only labels the fallback
+        return cls(task, site_names, training, seed, rounds, lam=float(settings.lam or 0),
+                   gamma=0.6 if auto else float(settings.gamma), selector_calibration=settings.selector_calibration,
+                   selector_warmup=int(settings.selector_warmup), gamma_pass=settings.gamma_pass if auto else None,
+                   style_gate=settings.style_gate, site_routing=settings.site_routing,
+                   personalization=settings.personalization)
 
     def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
                  seed: int = 0, rounds: int = 1, lam: float = 0.7, gamma: float = 0.6,
@@ -911,6 +935,14 @@ class FedSMExtra(FedSM):
             raise ConfigError(f"FedSM-extra needs extra_rounds >= 1, got {extra_rounds}")
         self.extra_rounds = extra_rounds
 
+    @classmethod
+    def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
+                      rounds: int, settings: Any) -> FedSMExtra:
+        # argmax routing: gamma is not used
+        return cls(task, site_names, training, seed, rounds, lam=float(settings.lam or 0),
+                   gamma=0.6 if settings.gamma == "auto" else float(settings.gamma),
+                   extra_rounds=int(settings.extra_rounds or 1))
+
     @property
     def num_selector_classes(self) -> int:
         return len(self.site_names) + 1
@@ -1047,6 +1079,3 @@ def selector_statistics(task: TaskSpec, selector_weights: Mapping[str, torch.Ten
     return class_statistics(penultimate_features(net, small), labels, num_classes)
 
 
-METHODS: dict[str, type[FederatedMethod]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, Scaffold, LocalOnly, FedSM, FedSMExtra)
-}

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.catalogue import mean_aggregation_methods
 from engine.errors import CancelledError, ConfigError, WeightsError
 
 if TYPE_CHECKING:
@@ -57,8 +58,6 @@ AGGREGATIONS = ("mean", "median", "trimmed_mean")
 #: Optimizer state a method may carry along (e.g. the selector's Adam moments) is not a model and
 #: legitimately changes by orders of magnitude relative to its previous value.
 NORM_PARTS = ("global", "personal", "selector", "control_delta")
-#: Methods whose ``global`` and ``selector`` parts are a plain weighted mean of the sites' parts.
-_MEAN_METHODS = {"fedavg", "fedprox", "fedsm", "fedsm-extra"}
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
          "aggregation", "trim", "max_reply_mb"}
 
@@ -260,7 +259,7 @@ def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, u
 def _aggregate(method: FederatedMethod, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate],
                settings: RobustSettings | None) -> WeightSet:
     new = method.aggregate(state, rnd, updates)
-    if settings is None or settings.aggregation == "mean" or method.name not in _MEAN_METHODS:
+    if settings is None or settings.aggregation == "mean" or method.name not in mean_aggregation_methods():
         return new
     for part in ("global", "selector"):
         parts = [u.weights[part] for u in updates.values() if part in u.weights]

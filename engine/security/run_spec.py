@@ -88,11 +88,11 @@ class SiteBounds:
 
     def violations(self, spec: Mapping[str, Any]) -> list[str]:
         """What in the run's settings ``spec`` (a MethodSpec as a dict) breaks these bounds."""
-        from engine.fl.catalogue import FEDERATION_METHODS
+        from engine.catalogue import federation_methods
         from engine.fl.registry import EXCHANGE_METHODS
 
         out = []
-        allowed = ((*FEDERATION_METHODS, *EXCHANGE_METHODS) if self.allowed_methods is None
+        allowed = ((*federation_methods(), *EXCHANGE_METHODS) if self.allowed_methods is None
                    else self.allowed_methods)
         if spec.get("method") not in allowed:
             out.append(f"method {spec.get('method')!r} is not in allowed_methods {list(allowed)}")

@@ -137,10 +137,10 @@ def test_the_operator_sees_the_signed_settings(pki):  # noqa: F811
 
 
 def test_every_method_is_allowed_by_default():
-    from engine.fl.catalogue import FEDERATION_METHODS
+    from engine.catalogue import federation_methods
     from engine.fl.registry import EXCHANGE_METHODS
 
-    for method in (*FEDERATION_METHODS, *EXCHANGE_METHODS):
+    for method in (*federation_methods(), *EXCHANGE_METHODS):
         spec = {"method": method, "rounds": 3, "epochs": 1, "lr": 1e-3, "selector_lr": None, "image_size": 256,
                 "batch_size": 8}
         assert SiteBounds().violations(spec) == [], method
