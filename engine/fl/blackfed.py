@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from engine.bundle.split import site_split_bundle, split_bundle_from_state
 from engine.errors import ConfigError, WeightsError
 from engine.fl.blackfed_nets import (
     DEFAULT_SPLIT_CHANNELS,
@@ -50,11 +51,13 @@ from engine.fl.blackfed_nets import (
     SpsaSettings,
     build_client_net,
     build_server_net,
+    client_flops_per_image,
     flat_parameters,
     load_flat,
     split_loss,
     weights_of,
 )
+from engine.fl.blackfed_segment import split_segmenter
 from engine.fl.exchange import ExchangeMethod, Reply, Request, RoundDialogue
 from engine.fl.local_training import batch_order
 from engine.fl.methods import derived_seed
@@ -374,8 +377,6 @@ class BlackFed(ExchangeMethod):
 
     def segmenter(self, state: WeightSet, sites: list[SiteRuntime],
                   device: str = "auto") -> Callable[[int, np.ndarray], np.ndarray]:
-        from engine.fl.blackfed_segment import split_segmenter
-
         clients = [self.client_weights(s) for s in sites]
         servers = [self.server_for(state, s.name) for s in sites]
         return split_segmenter(self.task, self.config.channels, clients, servers, device)
@@ -398,8 +399,6 @@ class BlackFed(ExchangeMethod):
         ``received`` holds the :attr:`FINAL_CONTENTS` parts (the transport checked their names and that
         they are finite); a server net of another shape raises :class:`WeightsError`.
         """
-        from engine.bundle.split import site_split_bundle
-
         server = _fitted(received["server"], self.server_net(), "the server net the coordinator sent")
         client = self.client_weights(site)
         self.client_net(client)  # a client net that does not fit raises here, before anything is written
@@ -408,9 +407,6 @@ class BlackFed(ExchangeMethod):
 
     def report_extra(self, state: WeightSet, sites: list[SiteRuntime]) -> dict[str, Any]:
         """Client FLOPs, the settings and the split bundle (the simulation adds local/OOD Dice)."""
-        from engine.bundle.split import split_bundle_from_state
-        from engine.fl.blackfed_nets import client_flops_per_image
-
         size = self.config.image_size or int(sites[0].train.images.shape[-1])
         clients = {s.name: self.client_weights(s) for s in sites}
         return {

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ConfigError
+from engine.models import build_segmentation_net
 
 #: Default number of channels ``C`` the client net hands to the server net (FedSM's first U-Net level).
 DEFAULT_SPLIT_CHANNELS = 16
@@ -51,8 +52,6 @@ def build_client_net(in_channels: int, channels: int = DEFAULT_SPLIT_CHANNELS) -
 
 def build_server_net(channels: int, out_channels: int) -> nn.Module:
     """The coordinator's server net: FedSM's U-Net with ``in_channels = channels``."""
-    from engine.models import build_segmentation_net
-
     return build_segmentation_net(channels, out_channels)
 
 

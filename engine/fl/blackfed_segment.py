@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from engine.fl.blackfed_nets import build_client_net, build_server_net
+from engine.fl.local_training import Device
 from engine.tasks import TaskSpec
 
 
@@ -14,9 +16,6 @@ def split_logits(task: TaskSpec, channels: int, client: Mapping[str, torch.Tenso
                  server: Mapping[str, torch.Tensor], images: np.ndarray, device: str = "auto",
                  batch_size: int = 16) -> np.ndarray:
     """Logits ``float32 (N, L, H, W)`` of ``server(client(images))``."""
-    from engine.fl.blackfed_nets import build_client_net, build_server_net
-    from engine.fl.local_training import Device
-
     dev = Device.resolve(device)
     f = build_client_net(task.in_channels, channels)
     f.load_state_dict(dict(client))

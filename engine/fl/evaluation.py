@@ -7,6 +7,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from engine.data.preprocess import resize_images
+from engine.fl.local_training import Device
+from engine.models import build_segmentation_net
 from engine.tasks import TaskSpec
 
 
@@ -44,9 +47,6 @@ def dice_per_case(pred: np.ndarray, truth: np.ndarray, case_ids: np.ndarray) -> 
 def segment_with(task: TaskSpec, weights: Mapping[str, torch.Tensor], images: np.ndarray,
                  device: str = "auto", batch_size: int = 16) -> np.ndarray:
     """Binary masks ``uint8 (N, L, H, W)`` from one segmentation network (sigmoid > 0.5)."""
-    from engine.fl.local_training import Device
-    from engine.models import build_segmentation_net
-
     dev = Device.resolve(device)
     net = build_segmentation_net(task.in_channels, task.out_channels)
     net.load_state_dict(weights)
@@ -65,8 +65,6 @@ def selector_probabilities(task: TaskSpec, weights: Mapping[str, torch.Tensor], 
                            images: np.ndarray, selector_size: int, head: str = "gap",
                            device: str = "auto", batch_size: int = 64) -> np.ndarray:
     """Softmax output ``float32 (N, num_classes)`` of a selector on already normalised images."""
-    from engine.data.preprocess import resize_images
-    from engine.fl.local_training import Device
     from engine.models import build_selector
 
     dev = Device.resolve(device)

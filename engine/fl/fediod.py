@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from engine.bundle.single import single_model_bundle
 from engine.errors import ConfigError, WeightsError
 from engine.fl import fediod_losses as losses
+from engine.fl.evaluation import segment_with
 from engine.fl.exchange import ExchangeMethod, Reply, Request, RoundDialogue
 from engine.fl.fediod_nets import Generator
 from engine.fl.fediod_privacy import DEFAULT_DELTA, PrivacySetting, epsilon_spent
@@ -48,6 +50,7 @@ from engine.fl.fediod_site import (
 from engine.fl.local_training import Device, RoundContext
 from engine.fl.methods import derived_seed
 from engine.fl.weights import clone_weights
+from engine.models import build_segmentation_net
 
 if TYPE_CHECKING:
     from engine.bundle import SuperModelBundle
@@ -147,8 +150,6 @@ class FedIOD(ExchangeMethod):
 
     # --- server half -----------------------------------------------------------------------
     def _student(self) -> torch.nn.Module:
-        from engine.models import build_segmentation_net
-
         return build_segmentation_net(self.task.in_channels, self.task.out_channels)
 
     def _generator(self) -> Generator:
@@ -343,8 +344,6 @@ class FedIOD(ExchangeMethod):
     # --- evaluation and results ------------------------------------------------------------
     def segmenter(self, state: WeightSet, sites: list[SiteRuntime],
                   device: str = "auto") -> Callable[[int, np.ndarray], np.ndarray]:
-        from engine.fl.evaluation import segment_with
-
         student = state["student"]
         return lambda k, images: segment_with(self.task, student, images, device)
 
@@ -390,8 +389,6 @@ class FedIOD(ExchangeMethod):
         ``extra`` adds free-form details (e.g. the seed); ``val_dice`` is the student's
         validation Dice per site where measured.
         """
-        from engine.bundle.single import single_model_bundle
-
         p = state["privacy"]
         return single_model_bundle(
             self.task.name, "fediod", state["student"], self.site_names, self.config.image_size, self.rounds,
@@ -419,8 +416,6 @@ class FedIOD(ExchangeMethod):
         they are finite); a student of another shape raises :class:`WeightsError`. The bundle records
         only this site's own epsilon (the coordinator sends no other site's privacy figures).
         """
-        from engine.bundle.single import single_model_bundle
-
         student = dict(received["student"])
         try:
             self._student().load_state_dict(student)

@@ -23,10 +23,13 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError, FedSMError
+from engine.fl.evaluation import dice_per_case
 from engine.fl.fediod_losses import discriminator_loss
 from engine.fl.fediod_nets import PatchDiscriminator
 from engine.fl.fediod_privacy import PrivacySetting, clip_and_noise, epsilon_spent
 from engine.fl.local_training import Device, LocalTrainingConfig, RoundContext, train_segmentation_round
+from engine.fl.weights import clone_weights
+from engine.models import build_segmentation_net
 
 if TYPE_CHECKING:
     from engine.data.site_data import SplitArrays
@@ -70,8 +73,6 @@ def label_frequency(masks: np.ndarray) -> np.ndarray:
 
 def validation_dice(net: torch.nn.Module, data: SplitArrays, device: Device, batch_size: int = 16) -> float:
     """Mean per-case Dice of ``net`` on ``data`` (sigmoid > 0.5)."""
-    from engine.fl.evaluation import dice_per_case
-
     net.eval()
     out = np.zeros(data.masks.shape, dtype=np.uint8)
     with torch.inference_mode():
@@ -94,9 +95,6 @@ def train_teacher(task: TaskSpec, site: SiteRuntime, cfg: LocalTrainingConfig, m
     weights, metrics
         The best weights and ``{"teacher_val_dice", "teacher_epochs", "teacher_best_epoch"}``.
     """
-    from engine.fl.weights import clone_weights
-    from engine.models import build_segmentation_net
-
     if max_epochs < 1 or patience < 1:
         raise ConfigError(f"teacher epochs and patience must be >= 1, got {max_epochs} and {patience}")
     torch.manual_seed(seed % (2**63))
@@ -123,8 +121,6 @@ def train_teacher(task: TaskSpec, site: SiteRuntime, cfg: LocalTrainingConfig, m
 def setup_site(task: TaskSpec, site: SiteRuntime, config: dict[str, Any], default_privacy: PrivacySetting,
                ctx: RoundContext) -> SiteState:
     """Train (or take) the teacher, build the discriminator and settle the site's noise level."""
-    from engine.models import build_segmentation_net
-
     seed = int(config["seed"])
     device = Device.resolve(str(config.get("device", "auto")))
     factory: Callable[[], torch.nn.Module] | None = site.state.get("teacher_factory")
@@ -257,8 +253,6 @@ def mirror_state(site: SiteRuntime, state: SiteState, teacher: bool = True) -> N
 
 def restore_state(task: TaskSpec, site: SiteRuntime, device: str = "auto") -> SiteState | None:
     """Rebuild a :class:`SiteState` from its weight-dict mirror (``None`` when there is none)."""
-    from engine.models import build_segmentation_net
-
     teacher_w, disc_w, info = (site.state.get(k) for k in MIRROR_KEYS)
     if not (isinstance(teacher_w, dict) and isinstance(disc_w, dict) and isinstance(info, dict)):
         return None

@@ -36,10 +36,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.data.preprocess import resize_images
+from engine.device import resolve_device
 from engine.errors import CancelledError, ConfigError
 from engine.fl.aggregation import fedprox_penalty
 from engine.fl.weights import Weights, clone_weights
 from engine.models import build_segmentation_net, build_selector
+from engine.models.selector import SELECTOR_WIDTHS
 from engine.tasks import TaskSpec
 
 if TYPE_CHECKING:
@@ -169,8 +172,6 @@ class LocalTrainingConfig:
     loss: str = "dice"
 
     def __post_init__(self) -> None:
-        from engine.models.selector import SELECTOR_WIDTHS
-
         if self.selector_width not in SELECTOR_WIDTHS:
             raise ConfigError(f"selector_width must be one of {SELECTOR_WIDTHS} (the paper's VGG-11 is 64), "
                               f"got {self.selector_width!r}")
@@ -224,8 +225,6 @@ class Device:
 
     @classmethod
     def resolve(cls, name: str) -> Device:
-        from engine.device import resolve_device
-
         dev, amp = resolve_device(name)
         return cls(dev, amp)
 
@@ -352,8 +351,6 @@ def _to_device(array: np.ndarray, idx: np.ndarray, device: Device) -> torch.Tens
 
 def selector_inputs(images: np.ndarray, size: int) -> np.ndarray:
     """Images downscaled once per round to the selector's input size."""
-    from engine.data.preprocess import resize_images
-
     return resize_images(images, size)
 
 

@@ -18,7 +18,7 @@ import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -26,11 +26,14 @@ import torch
 
 from engine.errors import ConfigError, WeightsError
 from engine.fl.aggregation import check_lam, fedavg, scaffold_server_update, scaffold_site_control, soft_pull
+from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.local_training import (
+    Device,
     LocalTrainingConfig,
     RoundContext,
     best_model_labels,
     scheduled_lr,
+    selector_inputs,
     train_fedsm_round,
     train_scaffold_round,
     train_segmentation_round,
@@ -221,7 +224,6 @@ class FederatedMethod(ABC):
         cfg = self.training
         if cfg.lr_schedule == "constant":
             return cfg
-        from dataclasses import replace
 
         return replace(cfg, lr=scheduled_lr(cfg.lr, cfg.lr_schedule, rnd, self.rounds, cfg.lr_min_ratio))
 
@@ -315,8 +317,6 @@ class FedProx(FedAvg):
 
     def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        from dataclasses import replace
-
         ctx = self._context(instructions.round, site, progress, cancel)
         cfg = replace(self.round_training(instructions.round), prox_mu=float(instructions.config["prox_mu"]))
         received = instructions.weights["global"]
@@ -880,8 +880,6 @@ def site_validation_dice(task: TaskSpec, weights: Mapping[str, Weights], site: S
     (:mod:`engine.inference.guard`). Aggregates only: no per-case value leaves the site.
     ``{}`` when the site has no validation images (the guard then routes its images to global).
     """
-    from engine.fl.evaluation import dice_per_case, segment_with
-
     val = site.validation
     if val is None or not len(val.images):
         return {}
@@ -1068,8 +1066,6 @@ def check_statistics(stats: Mapping[str, torch.Tensor], num_classes: int, what: 
 def selector_statistics(task: TaskSpec, selector_weights: Mapping[str, torch.Tensor], num_classes: int,
                         images: np.ndarray, labels: np.ndarray, training: LocalTrainingConfig) -> Weights:
     """Site half of the calibration round: feature statistics of the site's training images."""
-    from engine.fl.local_training import Device, selector_inputs
-
     device = Device.resolve(training.device)
     net = build_selector(task.in_channels, num_classes, training.selector_head,  # type: ignore[arg-type]
                          training.selector_width)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.weights import Weights, clone_weights
 from engine.tasks import TaskSpec
 
@@ -76,8 +77,6 @@ class BestRoundKeeper:
     # --- scoring ---------------------------------------------------------------------------
     def site_dice(self, weights: Mapping[str, Any], k: int) -> float | None:
         """Mean validation Dice (over cases and structures) of ``weights`` on site ``k``; ``None`` without data."""
-        from engine.fl.evaluation import dice_per_case, segment_with
-
         val = self.sites[k].validation
         if not len(val.images):
             return None

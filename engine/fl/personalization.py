@@ -71,7 +71,17 @@ from torch.func import functional_call
 
 from engine.bundle.supermodel import PERSONALIZATION_RULES as BUNDLE_PERSONALIZATION_RULES
 from engine.errors import ConfigError
+from engine.fl.aggregation import fedavg
+from engine.fl.local_training import (
+    Device,
+    _selector_learner,
+    _to_device,
+    batch_order,
+    segmentation_loss,
+    selector_inputs,
+)
 from engine.fl.weights import Weights, clone_weights, weighted_sum
+from engine.models import build_segmentation_net
 
 if TYPE_CHECKING:
     from engine.data.site_data import SplitArrays
@@ -219,8 +229,6 @@ def shared_model_update(rule: str, shared: Mapping[str, torch.Tensor],
     answering sites' ``(weights, sample count)``: Per-FedAvg averages its meta-model (FedAvg),
     pFedMe mixes (:func:`pfedme_server_update`); ``None`` for rules without a shared model."""
     if rule == "perfedavg":
-        from engine.fl.aggregation import fedavg
-
         return fedavg(answers)
     if rule == "pfedme":
         return pfedme_server_update(shared, [w for w, _ in answers], pcfg.pfedme_beta)
@@ -238,8 +246,6 @@ def pfedme_objective(net: torch.nn.Module, loss: torch.Tensor, w_local: Mapping[
 # Site half of one round
 # --------------------------------------------------------------------------------------------
 def _seg_net(task: TaskSpec, weights: Mapping[str, torch.Tensor], device: Any) -> torch.nn.Module:
-    from engine.models import build_segmentation_net
-
     net = build_segmentation_net(task.in_channels, task.out_channels)
     net.load_state_dict(weights)
     return net.to(device.torch_device).train()
@@ -251,8 +257,6 @@ def _adam(net: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
 
 def _dice_batch_loss(name: str = "dice") -> Callable[[Callable[[torch.Tensor], torch.Tensor],
                                                       tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    from engine.fl.local_training import segmentation_loss
-
     loss = segmentation_loss(name)
     return lambda forward, batch: loss(forward(batch[0]), batch[1])
 
@@ -309,8 +313,6 @@ def train_personalized_round(
     parts, metrics
         The trained parts to send back and mean losses.
     """
-    from engine.fl.local_training import Device, _selector_learner, _to_device, batch_order, selector_inputs
-
     if kind not in PERSONALIZATIONS:
         raise ConfigError(f"unknown personalization {kind!r}; choose from {', '.join(PERSONALIZATIONS)}")
     device = Device.resolve(cfg.device)
@@ -438,8 +440,6 @@ def personalized_model(
     ``weights`` holds the final ``global`` model (and the final shared ``personal`` model for
     ``perfedavg``).
     """
-    from engine.fl.local_training import Device, _to_device, batch_order
-
     if kind == "apfl":
         if APFL_V not in site_state:  # the site missed every training round: no private model
             return clone_weights(weights["global"])

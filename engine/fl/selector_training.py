@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ConfigError, WeightsError
-from engine.fl.weights import Weights, all_finite
+from engine.fl.local_training import Device, _to_device, batch_order, freeze_batchnorm_statistics, selector_inputs
+from engine.fl.weights import Weights, all_finite, clone_weights
 
 if TYPE_CHECKING:
     from engine.fl.local_training import LocalTrainingConfig, RoundContext
@@ -156,14 +157,6 @@ def reference_selector_round(
         as their label, before the step). The step follows the mean of the pass's batch
         gradients (module docstring: why not their sum).
     """
-    from engine.fl.local_training import (
-        Device,
-        _to_device,
-        batch_order,
-        freeze_batchnorm_statistics,
-        selector_inputs,
-    )
-    from engine.fl.weights import clone_weights
     from engine.models import build_selector
 
     device = Device.resolve(cfg.device)
@@ -212,7 +205,6 @@ def reference_selector_round(
 def selector_logits(task: TaskSpec, selector_weights: Mapping[str, torch.Tensor], num_classes: int,
                     images: np.ndarray, cfg: LocalTrainingConfig, batch_size: int = 64) -> torch.Tensor:
     """Selector logits ``float64 (N, C)`` of ``images`` (eval mode, running BatchNorm statistics)."""
-    from engine.fl.local_training import Device, selector_inputs
     from engine.models import build_selector
 
     device = Device.resolve(cfg.device)
