@@ -28,6 +28,7 @@ import engine
 from engine.bundle.supermodel import PathLike, _read_header, check_site_name, file_sha256
 from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
+from engine.io.guard import load_json
 from engine.tasks import get_task
 
 if TYPE_CHECKING:
@@ -77,8 +78,6 @@ class SplitMetadata:
 
     @classmethod
     def from_json(cls, text: str) -> SplitMetadata:
-        from engine.io.guard import load_json
-
         if not isinstance(text, str):
             raise BundleError(f"its split-network metadata is a {type(text).__name__}, not JSON text")
         try:  # nesting bounded: a deeply nested value is an error, not a RecursionError

@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import engine
 from engine import catalogue
+from engine.bundle.schema import check_metadata
 from engine.catalogue import ROUTINGS
 from engine.errors import BundleError, ConfigError, DataError
 from engine.io.atomic import atomic_path
+from engine.io.guard import load_json
 from engine.tasks import get_task
 
 if TYPE_CHECKING:
@@ -351,8 +353,6 @@ class BundleMetadata:
         BundleError
             When the text is not FedSM metadata, comes from a newer FedSM, or is inconsistent.
         """
-        from engine.io.guard import load_json
-
         if not isinstance(text, str):
             raise BundleError(f"its FedSM metadata is a {type(text).__name__}, not JSON text; it was not written by "
                               "FedSM")
@@ -377,7 +377,6 @@ class BundleMetadata:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise BundleError(f"its metadata has unknown fields {unknown}; it may come from a newer FedSM")
-        from engine.bundle.schema import check_metadata
 
         check_metadata(raw)
         try:
@@ -523,7 +522,6 @@ def _read_header(path: Path) -> dict[str, Any]:
             header_bytes = fh.read(header_len)
     except OSError as exc:
         raise BundleError(f"{path}: cannot be read ({exc}); check permissions") from exc
-    from engine.io.guard import load_json
 
     try:
         header = load_json(header_bytes, "header")

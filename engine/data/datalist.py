@@ -29,8 +29,10 @@ from contextvars import ContextVar
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from engine.data.datalist_schema import check_datalist_document
 from engine.errors import DataError
 from engine.io.atomic import write_text_atomic
+from engine.io.guard import MAX_JSON_DEPTH, json_depth
 
 #: The sections a datalist may hold, in the order they are written.
 SECTIONS: tuple[str, ...] = ("training", "validation", "testing")
@@ -172,8 +174,6 @@ def _check_scalar(path: Path, key: str, value: Any) -> None:
 
 def _depth_checked(path: Path, text: str) -> str:
     """``text`` when its JSON nesting is within :data:`engine.io.guard.MAX_JSON_DEPTH` (no RecursionError)."""
-    from engine.io.guard import MAX_JSON_DEPTH, json_depth
-
     depth = json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise DataError(f"{path}: JSON nested {depth} levels deep, more than the {MAX_JSON_DEPTH} a datalist may "
@@ -198,7 +198,6 @@ def _read_json(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise DataError(f"{p}: a datalist must be a JSON object with a 'training' list, "
                         f"got a JSON {type(doc).__name__}")
-    from engine.data.datalist_schema import check_datalist_document
 
     check_datalist_document(p, doc)
     return p, doc

@@ -25,6 +25,7 @@ are enough), so every image of a case lands in the same split and the same seed 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -34,7 +35,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.bundle.supermodel import check_site_name
+from engine.data.datalist import write_datalist
 from engine.errors import ConfigError, DataError
+from engine.io.label_conventions import CONVENTIONS, DATALIST_KEY, convention_for
+from engine.tasks import get_task
 
 #: Suffixes of files that can be an image or a mask, longest first (``.nii.gz`` before ``.gz``).
 SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp", ".dcm")
@@ -228,11 +233,6 @@ def build_datalist(images_dir: Path, masks_dir: Path, out: Path, *, task: str | 
     ConfigError
         When the task, convention, split or pattern is invalid.
     """
-    from engine.bundle.supermodel import check_site_name
-    from engine.data.datalist import write_datalist
-    from engine.io.label_conventions import CONVENTIONS, DATALIST_KEY, convention_for
-    from engine.tasks import get_task
-
     images_dir, masks_dir, out = Path(images_dir), Path(masks_dir), Path(out)
     for label, folder in (("image", images_dir), ("mask", masks_dir)):
         if not folder.is_dir():
@@ -293,8 +293,6 @@ def find_datalists(paths: Sequence[Path]) -> list[Path]:
     DataError
         When a path does not exist, or a folder holds no datalist (the message says how to make one).
     """
-    import json
-
     found: list[Path] = []
     for raw in paths:
         p = Path(raw)

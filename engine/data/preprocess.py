@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.io.label_conventions import convention_for
 from engine.tasks import TaskSpec
 
 if TYPE_CHECKING:
@@ -105,7 +106,6 @@ def read_task_channels(task: TaskSpec, label: str | os.PathLike[str], study: Stu
         When the mask is missing, unreadable, off the study's grid (partial masks included) or
         holds values the convention does not use.
     """
-    from engine.io.label_conventions import convention_for
     from engine.io.masks import read_mask
 
     conv = convention if convention is not None else convention_for(task.name)

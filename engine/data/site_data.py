@@ -37,6 +37,7 @@ from engine.data.preprocess import (
 )
 from engine.errors import ConfigError, DataError
 from engine.io.label_conventions import DATALIST_KEY, LabelConvention, convention_for
+from engine.io.readers import open_study
 from engine.tasks import TaskSpec
 
 #: Datalist section that fills each split.
@@ -111,8 +112,6 @@ class SiteData:
 def _read_case(task: TaskSpec, image_path: Path, label_path: Path, convention: LabelConvention | None
                ) -> tuple[np.ndarray, np.ndarray]:
     """The study's array and its mask as the task's channels ``(L, *shape)`` for one datalist entry."""
-    from engine.io.readers import open_study
-
     study = open_study(image_path)
     wanted = "volume" if task.volumetric else "photo"
     if study.kind != wanted:

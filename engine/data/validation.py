@@ -26,7 +26,9 @@ from typing import Any
 
 from engine.data.datalist import SECTIONS, load_datalist_with_info
 from engine.errors import ConfigError, DataError
-from engine.io.label_conventions import DATALIST_KEY, LabelConvention, convention_for
+from engine.io.label_conventions import DATALIST_KEY, DRISHTI_THRESHOLD, LabelConvention, convention_for, get_convention
+from engine.io.masks import read_label_image
+from engine.io.readers import open_study
 from engine.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,6 @@ def _check_entry(entry: dict[str, Any], task: str | None, convention: LabelConve
                  ) -> tuple[dict[str, Any], str | None]:
     """Problems, warnings and facts of one datalist entry; also the study kind (to infer the task)."""
     from engine.io.masks import read_mask
-    from engine.io.readers import open_study
 
     image, label = Path(entry["image"]), Path(entry["label"])
     row: dict[str, Any] = {"file": str(image), "image": str(image), "label": str(label), "ok": True,
@@ -108,9 +109,6 @@ def _unexpected(path: Path, exc: Exception) -> str:
 
 def _check_drishti_nesting(convention: LabelConvention, label: Path, row: dict[str, Any]) -> None:
     """Warn when cup pixels (by majority) lie outside the disc (by majority): the maps may be swapped."""
-    from engine.io.label_conventions import DRISHTI_THRESHOLD
-    from engine.io.masks import read_label_image
-
     disc_path, cup_path = convention.label_files(label)
     disc, cup = read_label_image(disc_path), read_label_image(cup_path)
     outside = int(((cup >= DRISHTI_THRESHOLD) & (disc < DRISHTI_THRESHOLD)).sum())
@@ -223,8 +221,6 @@ def validate_datalists(datalists: list[PathLike], convention: str | None = None,
     if task is not None and task not in TASKS:
         raise ConfigError(f"unknown task {task!r}; choose one of: {', '.join(TASKS)}")
     if convention is not None:
-        from engine.io.label_conventions import get_convention
-
         get_convention(convention)
     sites, files = [], []
     for path in datalists:

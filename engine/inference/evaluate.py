@@ -23,13 +23,19 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine.data.datalist import load_datalist_with_info
+from engine.data.preprocess import label_channels, read_task_channels
 from engine.errors import ConfigError, DataError
+from engine.io.label_conventions import DATALIST_KEY, convention_for
+from engine.io.readers import open_study
+from engine.tasks import get_task
 
 PathLike = str | os.PathLike[str]
 SPLITS = ("training", "validation", "testing")
@@ -71,8 +77,6 @@ def structure_metrics(pred: np.ndarray, truth: np.ndarray, spacing: Sequence[flo
     tuple
         ``([dice per channel], [hd95 per channel or None when either mask is empty])``.
     """
-    import warnings
-
     import torch
     from monai.metrics import compute_dice, compute_hausdorff_distance
 
@@ -130,12 +134,7 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
     ConfigError, BundleError
         Bad choice or gamma; an unreadable bundle.
     """
-    from engine.data.datalist import load_datalist_with_info
-    from engine.data.preprocess import label_channels, read_task_channels
     from engine.inference.study import load_predictor, segment_with
-    from engine.io.label_conventions import DATALIST_KEY, convention_for
-    from engine.io.readers import open_study
-    from engine.tasks import get_task
 
     if split not in SPLITS:
         raise ConfigError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")

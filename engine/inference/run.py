@@ -20,11 +20,13 @@ from typing import Any
 import engine
 from engine.errors import ConfigError, DataError
 from engine.inference.predictor import CancelCheck, ProgressCallback
+from engine.inference.screening import screen_inputs, task_warnings
 from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
 from engine.io.export import export_mask
 from engine.io.privacy import public_path
 from engine.io.provenance import utc_now
+from engine.io.readers import detect_format, list_series, open_study
 from engine.io.study import Study
 from engine.tasks import TaskSpec, get_task
 
@@ -84,8 +86,6 @@ def _file_kind(path: Path) -> bool | None:
 
 def _slices_hint(path: Path) -> int:
     """Axial slices of a volume file from its header, for the progress total; 1 when unreadable."""
-    from engine.io.readers import list_series
-
     try:
         return max(int(list_series(path)[0].count), 1)
     except DataError:  # a broken file is reported properly when it is read
@@ -94,8 +94,6 @@ def _slices_hint(path: Path) -> int:
 
 def _dicom_inputs(path: Path, stem: str) -> list[_Input]:
     """Each image series under a folder (or the series of a DICOM file); SEG objects are masks and skipped."""
-    from engine.io.readers import list_series
-
     found = [info for info in list_series(path) if info.modality != "SEG"]
     inputs = []
     for info in found:
@@ -109,8 +107,6 @@ def _dicom_inputs(path: Path, stem: str) -> list[_Input]:
 
 def _collect_inputs(input_path: Path, out_dir: Path) -> list[_Input]:
     """What to segment, decided from names and headers only (no pixels read)."""
-    from engine.io.readers import detect_format
-
     if not input_path.exists():
         raise DataError(f"{input_path}: not found; choose an image, a volume, a DICOM folder or a folder of them")
     if input_path.is_file():
@@ -184,8 +180,6 @@ def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: s
 
 
 def _open(item: _Input, cancel: CancelCheck | None) -> Study:
-    from engine.io.readers import open_study
-
     return open_study(item.path, series_uid=item.series_uid, cancel=cancel)
 
 
@@ -261,7 +255,6 @@ def infer_path(
         raise ConfigError(f"unknown mask format {mask_format!r}; choose one of {', '.join(MASK_FORMATS)}")
     inputs = _collect_inputs(source, out)
     # masks (named by a datalist, or label maps by content) are not segmented; see screening.py
-    from engine.inference.screening import screen_inputs, task_warnings
 
     inputs, skipped, warnings = screen_inputs(inputs, source)
     if not inputs:

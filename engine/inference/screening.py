@@ -33,6 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
+from engine.errors import FedSMError
+from engine.io.label_conventions import DATALIST_KEY, convention_for
+
 log = logging.getLogger(__name__)
 
 #: A label map has at most this many distinct values (background plus a few structures).
@@ -43,10 +47,6 @@ _LABEL_NAME = re.compile(r"(^|[_\-.])(mask|masks|seg|segmentation|label|labels|g
 
 def datalist_labels(folder: Path) -> set[str]:
     """Resolved paths of the ``label`` files named by datalists in ``folder`` and its parent."""
-    from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
-    from engine.errors import FedSMError
-    from engine.io.label_conventions import DATALIST_KEY, convention_for
-
     found: set[str] = set()
     for where in {folder, folder.parent}:
         try:

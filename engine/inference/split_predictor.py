@@ -21,6 +21,7 @@ from engine.bundle.split import SplitBundle
 from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
+from engine.fl.blackfed_nets import build_client_net, build_server_net
 from engine.inference.predictor import Prediction, SuperModelPredictor
 
 if TYPE_CHECKING:
@@ -55,8 +56,6 @@ class SplitPredictor:
     """Segments with ``server_k(client_k(x))`` for the chosen site ``k``."""
 
     def __init__(self, bundle: SplitBundle, device: str = "auto") -> None:
-        from engine.fl.blackfed_nets import build_client_net, build_server_net
-
         meta = bundle.metadata
         self.metadata = SplitView(meta.task, meta.method, list(meta.label_names), meta.in_channels, meta.image_size,
                                   meta.normalisation, list(meta.site_names), meta.server)

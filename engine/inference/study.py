@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from engine.bundle.split import is_split_bundle, load_split_bundle
 from engine.bundle.supermodel import BundleMetadata, file_sha256, load_bundle, read_metadata
-from engine.data.disc_crop import CropBox
+from engine.data.disc_crop import CROP_MODES, CropBox, disc_box
 from engine.data.preprocess import (
     fundus_channels_to_label,
     normalise_rgb,
@@ -35,9 +36,11 @@ from engine.errors import ConfigError, DataError
 from engine.inference.postprocess import clean_fundus_masks
 from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
 from engine.inference.routing import check_gamma
+from engine.inference.split_predictor import SplitPredictor
 from engine.io.provenance import ImageRecord, Provenance, utc_now
 from engine.io.study import LabelMap, Study
 from engine.tasks import TaskSpec, get_task
+from engine.threads import use_free_cores
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +95,6 @@ def load_predictor(bundle_path: PathLike, device: str = "auto") -> LoadedBundle:
     DeviceError, ConfigError
         When the device is unavailable or unknown.
     """
-    from engine.threads import use_free_cores
-
     path = Path(bundle_path)
     sha = _bundle_sha256(path)
     torch_device, _ = resolve_device(device)
@@ -106,11 +107,8 @@ def load_predictor(bundle_path: PathLike, device: str = "auto") -> LoadedBundle:
             _predictors.move_to_end(key)
             return LoadedBundle(predictor, sha, path.name)
     # Built outside the lock: loading takes seconds and must not block other lookups.
-    from engine.bundle.split import is_split_bundle
 
     if is_split_bundle(path):  # BlackFed: a client net per site and the server net
-        from engine.bundle.split import load_split_bundle
-        from engine.inference.split_predictor import SplitPredictor
 
         predictor = SplitPredictor(load_split_bundle(path), device=str(torch_device))  # type: ignore[assignment]
     else:
@@ -291,8 +289,6 @@ def _disc_box(study: Study, meta: BundleMetadata | Any) -> CropBox | None:
 
     Metadata without ``extra`` (a split bundle's view) means no crop.
     """
-    from engine.data.disc_crop import CROP_MODES, disc_box
-
     extra = getattr(meta, "extra", None)
     mode = extra.get("fundus_crop", "none") if isinstance(extra, dict) else "none"
     if study.kind != "photo" or mode not in CROP_MODES:

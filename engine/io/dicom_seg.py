@@ -30,6 +30,8 @@ import numpy as np
 import engine
 from engine.errors import DataError
 from engine.io.atomic import atomic_path
+from engine.io.dicom_series import SEG_SOP_CLASS, read_header
+from engine.io.guard import check_dicom_inflate, check_pixel_budget, dicom_damage
 from engine.io.provenance import Provenance
 from engine.io.seg_privacy import minimal_source, strip_identifiers
 from engine.io.study import LabelMap, Study
@@ -229,8 +231,6 @@ def _planes_of_source(ds: pydicom.Dataset, where: str) -> list[PlaneGeometry]:
 
 def _read_header(path: Path) -> pydicom.Dataset:
     import pydicom
-
-    from engine.io.guard import check_dicom_inflate
 
     check_dicom_inflate(path)
     try:
@@ -549,8 +549,6 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
         when one frame is the trouble, the frame), has segment numbers above 255, or a frame does
         not lie on the study's voxel grid (both geometries in the message).
     """
-    from engine.io.guard import dicom_damage
-
     with dicom_damage(path):
         return _read_dicom_seg(Path(path), study)
 
@@ -558,9 +556,6 @@ def read_dicom_seg(path: PathLike, study: Study) -> LabelMap:
 def _read_dicom_seg(p: Path, study: Study) -> LabelMap:
     """:func:`read_dicom_seg`, whose pydicom errors on damaged values the caller turns into DataError."""
     import highdicom as hd
-
-    from engine.io.dicom_series import SEG_SOP_CLASS, read_header
-    from engine.io.guard import check_pixel_budget
 
     if not p.is_file():
         raise DataError(f"{p}: file not found")

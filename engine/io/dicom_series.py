@@ -50,6 +50,7 @@ import os
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import CancelledError, DataError
-from engine.io.guard import check_pixel_budget, codestream_size, dicom_damage
+from engine.io.guard import check_dicom_inflate, check_pixel_budget, codestream_size, dicom_damage
 from engine.io.study import SeriesInfo, SourceGrid, Study
 from engine.io.volumes import LPS_TO_RAS, MAX_VOXELS, canonical_layout, robust_window, voxel_spacing
 
@@ -162,8 +163,6 @@ def read_header(path: Path, marker: bool | None = None) -> Any | None:
     """
     import pydicom
     from pydicom.errors import InvalidDicomError
-
-    from engine.io.guard import check_dicom_inflate
 
     if marker is None:
         marker = has_dicm_marker(path)
@@ -773,7 +772,6 @@ def _decode_in_order(items: list[DicomFile],
             check_cancel()
             yield _decode_file(item)
         return
-    from concurrent.futures import Future, ThreadPoolExecutor
 
     upcoming = iter(items)
     # The first file alone: any one-time set-up of a decoder library (GDCM's dictionaries,

@@ -33,6 +33,8 @@ import numpy as np
 
 from engine.errors import DataError
 from engine.io.atomic import atomic_path
+from engine.io.dicom_seg import build_dicom_seg, save_dicom_seg
+from engine.io.guard import open_image
 from engine.io.provenance import PROVENANCE_FORMAT, Provenance
 from engine.io.study import LabelMap, Study
 
@@ -128,8 +130,6 @@ def export_mask(study: Study, labels: LabelMap, out_path: PathLike, provenance: 
             with _with_sidecar(out, provenance) as tmp:
                 _write_nifti(study, array, tmp, provenance)
         else:
-            from engine.io.dicom_seg import build_dicom_seg, save_dicom_seg
-
             seg = build_dicom_seg(study, LabelMap(array, labels.names, labels.source), provenance)
             with _with_sidecar(out, provenance) as tmp:
                 save_dicom_seg(seg, tmp)
@@ -277,8 +277,6 @@ def embedded_provenance(path: Path, fmt: str) -> Provenance | None:
                 return Provenance.from_json(ext.get_content(), f"{path} (header extension)")
         return None
     if fmt == "png":
-        from engine.io.guard import open_image
-
         with open_image(path, "PNG") as img:
             text: dict[str, Any] = dict(getattr(img, "text", {}))
         return Provenance.from_json(str(text[PNG_KEY]), f"{path} ({PNG_KEY} chunk)") if PNG_KEY in text else None

@@ -20,6 +20,8 @@ import numpy as np
 
 from engine.errors import DataError
 from engine.io.atomic import atomic_path
+from engine.io.guard import open_image
+from engine.io.volumes import read_nifti_volume
 
 PathLike = str | os.PathLike[str]
 
@@ -33,8 +35,6 @@ def _existing(path: PathLike) -> Path:
 
 def read_rgb_image(path: PathLike) -> np.ndarray:
     """Read a colour photo as ``uint8 (H, W, 3)``; greyscale or RGBA files are converted."""
-    from engine.io.guard import open_image
-
     p = _existing(path)
     with open_image(p, "image") as img:
         rgb = img.convert("RGB")
@@ -50,8 +50,6 @@ def read_label_png(path: PathLike) -> np.ndarray:
         When the file is not an image, is not single-channel, is damaged, or declares more than
         :data:`engine.io.guard.MAX_PIXELS` pixels (checked before decoding).
     """
-    from engine.io.guard import open_image
-
     p = _existing(path)
     with open_image(p, "label image") as img:
         if img.mode not in ("L", "P", "1"):
@@ -97,8 +95,6 @@ def read_nifti(path: PathLike) -> tuple[np.ndarray, np.ndarray]:
         When the file is missing, damaged or truncated (a ``.nii.gz``'s gzip CRC is checked), or
         not one scalar 2D/3D volume.
     """
-    from engine.io.volumes import read_nifti_volume
-
     data, affine, _ = read_nifti_volume(_existing(path))
     return data, affine
 

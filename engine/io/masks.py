@@ -36,8 +36,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.errors import DataError
+from engine.errors import ConfigError, DataError
+from engine.io.dicom_seg import read_dicom_seg
+from engine.io.dicom_series import SEG_SOP_CLASS, has_dicm_marker
+from engine.io.export import embedded_provenance, mask_format
+from engine.io.guard import check_dicom_inflate, dicom_damage, open_image
+from engine.io.label_conventions import FUNDUS_NAMES, get_convention
+from engine.io.readers import open_study
+from engine.io.rtstruct import is_rtstruct, read_rtstruct
 from engine.io.study import LabelMap, Study
+from engine.io.volumes import read_itk_volume, read_nifti_volume, to_canonical, volume_format
 
 if TYPE_CHECKING:
     from engine.io.label_conventions import LabelConvention
@@ -102,8 +110,6 @@ def set_orientation_tolerance(degrees: float) -> None:
     ConfigError
         When ``degrees`` is not a number in ``[0, MAX_TOLERATED_DEG]``.
     """
-    from engine.errors import ConfigError
-
     if not isinstance(degrees, int | float) or not np.isfinite(degrees) or not 0 <= degrees <= MAX_TOLERATED_DEG:
         raise ConfigError(f"--tolerate-orientation must be a number of degrees in [0, {MAX_TOLERATED_DEG:g}], got "
                           f"{degrees!r}")
@@ -221,8 +227,6 @@ def fit_to_study(array: np.ndarray, affine: np.ndarray, study: Study, path: Path
 
 def read_label_image(path: Path) -> np.ndarray:
     """A single-channel label image (2D); RGB is accepted when its three channels are equal."""
-    from engine.io.guard import open_image
-
     # open_image checks the size before decoding and turns Pillow's errors into DataError.
     with open_image(path, "mask") as img:
         mode = img.mode
@@ -244,13 +248,9 @@ def read_label_image(path: Path) -> np.ndarray:
 
 
 def _is_seg(path: Path) -> bool:
-    from engine.io.dicom_series import SEG_SOP_CLASS, has_dicm_marker
-
     if not path.is_file() or not has_dicm_marker(path):
         return False
     import pydicom
-
-    from engine.io.guard import check_dicom_inflate, dicom_damage
 
     check_dicom_inflate(path)
     try:
@@ -265,14 +265,10 @@ def _is_seg(path: Path) -> bool:
 
 
 def _is_rtstruct(path: Path) -> bool:
-    from engine.io.rtstruct import is_rtstruct
-
     return is_rtstruct(path)
 
 
 def _photo_mask(path: Path, study: Study) -> np.ndarray:
-    from engine.io.volumes import read_nifti_volume, volume_format
-
     fmt = volume_format(path)
     if fmt == "nifti":
         data, _, _ = read_nifti_volume(path)
@@ -298,8 +294,6 @@ def _photo_mask(path: Path, study: Study) -> np.ndarray:
 
 def _volume_mask(path: Path, study: Study, allow_partial: bool, tolerate_orientation: float | None = None
                  ) -> tuple[np.ndarray, str | None]:
-    from engine.io.volumes import read_itk_volume, read_nifti_volume, to_canonical, volume_format
-
     fmt = volume_format(path)
     if fmt is not None:
         data, affine, _ = read_nifti_volume(path) if fmt == "nifti" else read_itk_volume(path)
@@ -309,8 +303,6 @@ def _volume_mask(path: Path, study: Study, allow_partial: bool, tolerate_orienta
             raise DataError(f"{path}: {exc}") from exc
         return fit_to_study(array, canonical_affine, study, path, allow_partial, tolerate_orientation)
     if path.is_dir() or path.suffix.lower() not in _LABEL_IMAGE_SUFFIXES:
-        from engine.io.readers import open_study
-
         labels = open_study(path)
         if labels.kind != "volume":
             raise DataError(f"{path}: a colour DICOM image cannot be a mask; use a label series, NIfTI or DICOM SEG")
@@ -360,8 +352,6 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
     ConfigError
         When ``convention`` is not a known name.
     """
-    from engine.io.label_conventions import FUNDUS_NAMES, get_convention
-
     conv = get_convention(convention) if isinstance(convention, str) else convention
     first = Path(path)
     files = conv.label_files(first) if conv is not None else (first,)
@@ -371,9 +361,6 @@ def read_mask(path: PathLike, study: Study, convention: str | LabelConvention | 
                 f" (the {conv.name} convention needs {', '.join(p.name for p in files)})" if len(files) > 1 and conv
                 else ""))
     if len(files) == 1 and (_is_seg(files[0]) or _is_rtstruct(files[0])):
-        from engine.io.dicom_seg import read_dicom_seg
-        from engine.io.rtstruct import read_rtstruct
-
         seg = read_dicom_seg(files[0], study) if _is_seg(files[0]) else read_rtstruct(files[0], study)
         values = (tuple(int(v) for v in np.unique(seg.array)),)
         if conv is None:
@@ -411,8 +398,6 @@ def _exported_names(path: Path, values: set[int]) -> dict[int, str]:
     Only names of values the mask holds; an empty dict for any other file, and for a file whose
     provenance cannot be read (the mask itself was read fine: its names are a nicety).
     """
-    from engine.io.export import embedded_provenance, mask_format
-
     try:
         provenance = embedded_provenance(path, mask_format(path))  # None for a DICOM SEG or no record
     except DataError:

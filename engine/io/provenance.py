@@ -27,6 +27,7 @@ from typing import Any
 
 import engine
 from engine.errors import DataError
+from engine.io.guard import load_json
 
 #: Value of the ``format`` key; anything else is not a FedSM provenance record.
 PROVENANCE_FORMAT = "fedsm-provenance"
@@ -226,8 +227,6 @@ class Provenance:
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "provenance") -> Provenance:
         """Parse :meth:`to_json`'s output; :class:`DataError` naming ``where`` when it is not."""
-        from engine.io.guard import load_json
-
         # Nesting bounded: a crafted record (a PNG chunk, a sidecar) cannot hit the recursion limit.
         return cls.from_dict(load_json(text, f"{where}: provenance"), where)
 

@@ -19,8 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.errors import DataError
+from engine.io.dicom_series import describe_series, is_dicom_name, list_dicom_series, read_dicom_file, series_beside
+from engine.io.guard import open_image
+from engine.io.photos import photo_format, read_photo
 from engine.io.study import SeriesInfo, Study
+from engine.io.volumes import LPS_TO_RAS, canonical_layout, read_volume, volume_format
 
 PathLike = str | os.PathLike[str]
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -48,10 +54,6 @@ def detect_format(path: PathLike) -> str:
     DataError
         When the path does not exist, or is a file of no supported type.
     """
-    from engine.io.dicom_series import is_dicom_name
-    from engine.io.photos import photo_format
-    from engine.io.volumes import volume_format
-
     p = Path(path)
     if p.is_dir():
         return "dicom-folder"
@@ -93,12 +95,8 @@ def list_series(path: PathLike) -> list[SeriesInfo]:
     p = Path(path)
     kind = detect_format(p)
     if kind == "dicom-folder":
-        from engine.io.dicom_series import list_dicom_series
-
         return list_dicom_series(p)
     if kind == "dicom":
-        from engine.io.dicom_series import describe_series, series_beside
-
         return [describe_series(*series_beside(p))]
     if kind == "volume":
         return [_volume_info(p)]
@@ -107,10 +105,6 @@ def list_series(path: PathLike) -> list[SeriesInfo]:
 
 def _volume_info(path: Path) -> SeriesInfo:
     """Slices and slice size of a volume, in canonical order, from its header."""
-    import numpy as np
-
-    from engine.io.volumes import LPS_TO_RAS, canonical_layout, volume_format
-
     try:
         if volume_format(path) == "nifti":
             import nibabel as nib
@@ -142,8 +136,6 @@ def _volume_info(path: Path) -> SeriesInfo:
 
 
 def _photo_info(path: Path) -> SeriesInfo:
-    from engine.io.guard import open_image
-
     with open_image(path, "image") as img:
         width, height = img.size
     return SeriesInfo(uid=str(path), description=path.name, modality="OP", count=1, size=(height, width))
@@ -177,16 +169,11 @@ def open_study(path: PathLike, series_uid: str | None = None, progress: Progress
     if kind == "dicom-folder":
         return _open_dicom_folder(p, series_uid, progress, cancel)
     if kind == "dicom":
-        from engine.io.dicom_series import read_dicom_file
-
         return read_dicom_file(p, series_uid, progress=progress, cancel=cancel)
     if series_uid is not None and series_uid != str(p):
         raise DataError(f"{p}: is a single {kind} file, it has no series {series_uid}; open it without a series")
     if kind == "volume":
-        from engine.io.volumes import read_volume
-
         return read_volume(p)
-    from engine.io.photos import read_photo
 
     return read_photo(p)
 
@@ -195,8 +182,6 @@ def _open_dicom_folder(folder: Path, series_uid: str | None, progress: ProgressF
                        cancel: CancelFn | None) -> Study:
     """A folder's DICOM series; a folder of photos or volume files says to open one of them."""
     from engine.io.dicom_series import choose_series, read_series, scan_folder
-    from engine.io.photos import photo_format
-    from engine.io.volumes import volume_format
 
     files = scan_folder(folder, cancel=cancel, progress=progress)
     if series_uid is None and all(f.is_seg for f in files):

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from engine.errors import DataError
+from engine.io.dicom_series import has_dicm_marker
+from engine.io.guard import check_dicom_inflate, dicom_damage
 from engine.io.study import LabelMap, Study
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,6 @@ def is_rtstruct_header(ds: Any) -> bool:
 def is_rtstruct(path: PathLike) -> bool:
     """Whether ``path`` is a DICOM RT Structure Set file (header only)."""
     import pydicom
-
-    from engine.io.dicom_series import has_dicm_marker
-    from engine.io.guard import check_dicom_inflate, dicom_damage
 
     p = Path(path)
     if not p.is_file() or not has_dicm_marker(p):
@@ -84,8 +83,6 @@ def read_rtstruct(path: PathLike, study: Study) -> LabelMap:
         When the file is not a readable RTSTRUCT, the study is a photo, the frame of reference
         differs from the series', or a contour is damaged, between slices or outside the image.
     """
-    from engine.io.guard import dicom_damage
-
     p = Path(path)
     with dicom_damage(p):
         return _read(p, study)
@@ -93,8 +90,6 @@ def read_rtstruct(path: PathLike, study: Study) -> LabelMap:
 
 def _read(p: Path, study: Study) -> LabelMap:
     import pydicom
-
-    from engine.io.guard import check_dicom_inflate
 
     if study.kind != "volume":
         raise DataError(f"{p}: an RTSTRUCT outlines structures of a volume, but {study.source or 'the study'} is a "
