@@ -7,7 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from engine import catalogue
+from engine.bundle.supermodel import single_model_methods
+from engine.fl.registry import SPLIT_LEARNING_METHODS
 from engine.io.atomic import write_text_atomic
+from engine.io.privacy import scrub_absolute_paths
 from engine.tasks import TaskSpec
 
 #: Titles of the dialogue methods; the weight methods' titles are in :mod:`engine.catalogue`.
@@ -248,9 +251,6 @@ _LOCAL_OOD_MODELS = {
 
 def _local_ood_family(name: str) -> str:
     """The local/OOD table's method family of ``name`` (a key of :data:`_LOCAL_OOD_MODELS`)."""
-    from engine.bundle.supermodel import single_model_methods
-    from engine.fl.registry import SPLIT_LEARNING_METHODS
-
     if name in SPLIT_LEARNING_METHODS:
         return "split"
     if name == "local":
@@ -321,7 +321,6 @@ def fediod_section(result: dict[str, Any], sites: list[str], structures: list[st
 
 def write_reports(out_dir: Path, report: dict[str, Any]) -> None:
     """Write ``report.json`` and ``report.md`` atomically."""
-    from engine.io.privacy import scrub_absolute_paths
     # Folder names can name patients or sites: the report keeps no absolute path.
     report = scrub_absolute_paths(report, out_dir)
     write_text_atomic(Path(out_dir) / "report.json", report_json(report) + "\n")

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.fl.evaluation import dice_per_case
 from engine.fl.selector_training import confidence_summary, expected_calibration_error
 from engine.fl.style_gate import route_by_style
 from engine.inference.guard import apply_guard, guard_decisions
@@ -83,8 +84,6 @@ def _gated(routed: np.ndarray, unlike: np.ndarray) -> np.ndarray:
 
 def _routed_dice(scored: _Scored, routed: np.ndarray, site: SiteImages) -> float:
     """Mean per-case Dice (over cases and structures) when each image is segmented by its routed model."""
-    from engine.fl.evaluation import dice_per_case
-
     masks = scored.masks[np.asarray(routed, dtype=np.int64), np.arange(len(routed))]
     return float(dice_per_case(masks, site.masks, site.case_ids).mean())
 

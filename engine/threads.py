@@ -18,6 +18,8 @@ import math
 import os
 from collections.abc import Callable
 
+from engine.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -69,8 +71,6 @@ def use_threads(threads: int | None, environ: dict[str, str] | None = None, **kw
         _chosen = None
         return use_free_cores(environ, **kwargs)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        from engine.errors import ConfigError
-
         raise ConfigError(f"threads must be a whole number >= 1, got {threads!r}")
     _chosen = threads
     return use_free_cores(environ, **kwargs)

@@ -28,10 +28,12 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.bundle import check_site_name
 from engine.errors import ConfigError
 from engine.io.atomic import atomic_path
 
@@ -159,8 +161,6 @@ class Checkpoint:
             try:
                 os.link(numbered, tmp)
             except OSError:
-                import shutil
-
                 shutil.copyfile(numbered, tmp)
         for _rnd, old in sorted(round_files(path).items())[:-max(keep, 1)]:
             old.unlink(missing_ok=True)
@@ -246,8 +246,6 @@ def save_site_state(folder: Path, session: str, rnd: int, state: dict[str, Any],
     """
     import torch
 
-    from engine.bundle import check_site_name
-
     check_site_name(session)
     parts = {k: v for k, v in state.items()
              if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values())}
@@ -262,8 +260,6 @@ def save_site_state(folder: Path, session: str, rnd: int, state: dict[str, Any],
 
 def load_site_state_before(folder: Path, session: str, rnd: int) -> dict[str, Any]:
     """A site's private state as it was before round ``rnd`` of ``session`` (empty if none)."""
-    from engine.bundle import check_site_name
-
     check_site_name(session)
     earlier = {r: p for r, p in _site_state_files(folder, session).items() if r < rnd}
     if not earlier:

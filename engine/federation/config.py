@@ -70,9 +70,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.bundle import check_site_name
 from engine.errors import ConfigError
 from engine.federation.spec import MethodSpec
 from engine.fl.fediod_privacy import DEFAULT_DELTA, PrivacySetting
+from engine.io.masks import MAX_TOLERATED_DEG
+from engine.security.approval import normalise_app_hash
+from engine.security.run_spec import SiteBounds
+from engine.tasks import get_task
 
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
@@ -321,10 +326,6 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
     check_files
         Also check that the datalist, CA certificate and private key exist.
     """
-    from engine.bundle import check_site_name
-    from engine.security.approval import normalise_app_hash
-    from engine.tasks import get_task
-
     path = Path(path).absolute()
     doc = _read_toml(path, "site")
     unknown = sorted(set(doc) - {"site", "security", "bounds", "privacy"})
@@ -361,7 +362,6 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
         raise ConfigError(f"{sec_where}: {exc}") from None
     ca_cert = _get(security, "ca_cert", str, sec_where)
     private_key = _get(security, "private_key", str, sec_where)
-    from engine.security.run_spec import SiteBounds
 
     bounds = _table(doc, "bounds", path, None, required=False)
     SiteBounds.from_dict(bounds, f"{path} [bounds]")  # checked now, not when the first run arrives
@@ -386,8 +386,6 @@ def load_site_config(path: Path, check_files: bool = True) -> SiteConfig:
 
 def _tolerance(value: float, where: str) -> float:
     """``[site] tolerate_orientation`` checked as ``--tolerate-orientation`` is (degrees in [0, max])."""
-    from engine.io.masks import MAX_TOLERATED_DEG
-
     if isinstance(value, bool) or not 0 <= float(value) <= MAX_TOLERATED_DEG:
         raise ConfigError(f"{where}: tolerate_orientation = {value!r} must be a number of degrees in "
                           f"[0, {MAX_TOLERATED_DEG:g}] (0 = masks must match the image's orientation)")

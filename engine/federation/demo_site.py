@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.errors import CancelledError, FedSMError
+from engine.federation.events import EventWriter
+from engine.tasks import get_task
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,6 @@ DEMO_SELECTOR_WARMUP = 12
 
 def stdout_events(site: str, stream: IO[str] | None = None) -> Callable[[dict[str, Any]], None]:
     """``emit(event)`` writing site events as JSON lines (the format of ``fedsm site --json``)."""
-    from engine.federation.events import EventWriter
-
     writer = EventWriter("site", site, stream=stream or sys.stdout)
 
     def emit(event: dict[str, Any]) -> None:
@@ -156,7 +156,6 @@ def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_siz
     from engine.federation.inprocess import run_rounds
     from engine.fl.local_training import LocalTrainingConfig
     from engine.fl.methods import FedSM, SiteRuntime
-    from engine.tasks import get_task
 
     emit = emit or stdout_events(site)
     spec = get_task(task)

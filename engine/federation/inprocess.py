@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import CancelledError, FedSMError, WeightsError
-from engine.fl.exchange import ExchangeMethod, Failure, Reply
+from engine.fl.exchange import ExchangeMethod, Failure, Reply, tensor_bytes
 from engine.fl.methods import FederatedMethod, SiteRuntime, SiteUpdate, WeightSet
 from engine.fl.weights import payload_bytes
 
@@ -164,8 +164,6 @@ def run_exchange_rounds(
         Final server state and one :class:`RoundRecord` per round (bytes summed over the
         round's exchanges; ``metrics`` = each site's last reply metrics plus ``exchanges``).
     """
-    from engine.fl.exchange import tensor_bytes
-
     by_name = {s.name: s for s in sites}
     state = method.initial_state() if state is None else state
     records: list[RoundRecord] = []

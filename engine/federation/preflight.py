@@ -15,8 +15,11 @@ whose message names the file or address and what to do; the CLI prints it as one
 
 from __future__ import annotations
 
+import datetime as dt
 import errno
+import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +73,6 @@ def check_site_certificates(ca_cert: Path | None, private_key: Path | None, wher
     The CA certificate must be a PEM X.509 certificate of a certificate authority, valid now; the
     private key a PEM key FedSM can use (see :func:`engine.security.certs.load_site_private_key`).
     """
-    import datetime as dt
-
     from cryptography import x509
 
     from engine.security.certs import load_site_private_key
@@ -113,8 +114,6 @@ def check_site_datalist(datalist: Path, task: str, where: str) -> dict[str, int]
         When it breaks the specification, is for another task, has no training entries, or names
         files that do not exist (the first few are listed).
     """
-    import os
-
     from engine.data.datalist import load_datalist_with_info
 
     try:
@@ -183,8 +182,6 @@ class CoordinatorWatch:
 
     def gone(self, now: float | None = None) -> bool:
         """Probe (rate-limited) and say whether the coordinator has been gone for ``grace`` seconds."""
-        import time
-
         now = time.monotonic() if now is None else now
         if now - self._last_probe < self.interval:
             return self._down_since is not None and now - self._down_since >= self.grace

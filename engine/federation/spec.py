@@ -16,9 +16,15 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from engine import catalogue
+from engine.bundle import check_site_name
 from engine.bundle.supermodel import SELECTOR_WIDTHS
-from engine.catalogue import federation_methods
+from engine.catalogue import DEFAULT_LAM, extra_rounds_default, federation_methods
+from engine.data.disc_crop import check_mode
 from engine.errors import ConfigError
+from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
+from engine.fl.selector_schemes import check_calibration, default_selector_lr
+from engine.tasks import get_task
 
 
 @dataclass(frozen=True)
@@ -69,12 +75,7 @@ class MethodSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from engine.bundle import check_site_name
-        from engine.catalogue import DEFAULT_LAM
-        from engine.tasks import get_task
-
         get_task(self.task)
-        from engine.fl.registry import EXCHANGE_METHODS
 
         if self.method not in federation_methods() and self.method not in EXCHANGE_METHODS:
             raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
@@ -90,7 +91,6 @@ class MethodSpec:
         for name in ("rounds", "epochs", "batch_size", "image_size"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        from engine.fl.selector_schemes import check_calibration
 
         check_calibration(self.selector_calibration)
         from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
@@ -103,7 +103,6 @@ class MethodSpec:
         from engine.fl.style_gate import check_site_routing
 
         check_site_routing(self.site_routing, self.style_gate)
-        from engine.data.disc_crop import check_mode
 
         check_mode(self.fundus_crop)
         from engine.fl.personalization import check_personalization
@@ -123,8 +122,6 @@ class MethodSpec:
         if self.lam is None:
             object.__setattr__(self, "lam", max(DEFAULT_LAM[self.task], 1.0 / len(names)))
         if self.extra_rounds is None:
-            from engine.catalogue import extra_rounds_default
-
             object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
         if self.method in ("fedsm", "fedsm-extra"):
             from engine.fl.aggregation import check_lam
@@ -183,11 +180,7 @@ class MethodSpec:
 
 def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
-    from engine import catalogue
     from engine.fl.local_training import LocalTrainingConfig
-    from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
-    from engine.fl.selector_schemes import default_selector_lr
-    from engine.tasks import get_task
 
     task = get_task(spec.task)
     names = list(spec.site_names)

@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from engine.bundle import check_site_name
 from engine.errors import ConfigError
 from engine.io.atomic import write_bytes_atomic
 
@@ -160,8 +161,6 @@ def create_site_keys(name: str, out_dir: Path, force: bool = False) -> Certifica
     CertificatePaths
         ``cert`` is the public key file (the one to hand to the coordinator).
     """
-    from engine.bundle import check_site_name
-
     check_site_name(name)
     out_dir = Path(out_dir)
     paths = CertificatePaths(out_dir / f"{name}.pub.pem", out_dir / f"{name}.key")

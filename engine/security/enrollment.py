@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.bundle import check_site_name
 from engine.errors import ConfigError
 from engine.security.certs import key_fingerprint, load_public_key, public_key_pem, write_public
 
@@ -29,8 +30,6 @@ def enroll_site(enrolled_dir: Path, site: str, public_key: Path, force: bool = F
         When the site name is not allowed, the key is not a usable public key, the site is
         already enrolled with another key (without ``force``), or another site has this key.
     """
-    from engine.bundle import check_site_name
-
     check_site_name(site)
     key = load_public_key(public_key)
     pem = public_key_pem(key)

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from engine.security.run_spec import SiteBounds
+
 #: The line that accepts a run on a ``--confirm-runs`` site's standard input.
 ACCEPT = "accept"
 #: ... and the line the desktop app sends to decline one.
@@ -27,8 +29,6 @@ def review_rows(shown: Mapping[str, Any], bounds: Mapping[str, Any]) -> list[dic
     ``bounds`` its ``bounds`` (the site's ``[bounds]`` as :func:`engine.security.run_spec.bounds_dict`
     gives them; missing keys take their defaults).
     """
-    from engine.security.run_spec import SiteBounds
-
     b = SiteBounds.from_dict(dict(bounds))
     rows: list[dict[str, Any]] = []
     method = shown.get("method")

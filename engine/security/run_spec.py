@@ -28,7 +28,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.catalogue import federation_methods
 from engine.errors import ConfigError, FedSMError
+from engine.fl.registry import EXCHANGE_METHODS
+from engine.fl.selector_schemes import default_selector_lr
 
 ENVELOPE_FORMAT = "fedsm-signed-run-spec/1"
 #: Key of the run configuration that carries the envelope (declared in the FAB's pyproject).
@@ -88,9 +91,6 @@ class SiteBounds:
 
     def violations(self, spec: Mapping[str, Any]) -> list[str]:
         """What in the run's settings ``spec`` (a MethodSpec as a dict) breaks these bounds."""
-        from engine.catalogue import federation_methods
-        from engine.fl.registry import EXCHANGE_METHODS
-
         out = []
         allowed = ((*federation_methods(), *EXCHANGE_METHODS) if self.allowed_methods is None
                    else self.allowed_methods)
@@ -107,7 +107,6 @@ class SiteBounds:
             value = spec.get(key)
             if key == "selector_lr" and value is None:
                 # unset: the selector scheme's default lr (engine.fl.selector_training), which is what trains
-                from engine.fl.selector_schemes import default_selector_lr
 
                 try:
                     value = default_selector_lr(str(spec.get("selector_calibration", "none")))

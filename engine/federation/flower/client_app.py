@@ -25,10 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.data.datalist import outside_paths_allowed
+from engine.data.site_data import load_site
 from engine.errors import CancelledError, ConfigError, DataError, WeightsError
 from engine.federation.checkpoint import load_site_state_before, save_site_state
 from engine.federation.events import EventWriter, PendingReport
 from engine.federation.flower import records
+from engine.federation.flower.final_evaluation import evaluate_at_site
+from engine.federation.spec import MethodSpec, build_method
+from engine.security.approval import AppNotApproved
+from engine.tasks import get_task
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message
@@ -74,10 +80,6 @@ class SiteWorker:
     # --- pieces ------------------------------------------------------------------------
     def data(self, task: str, image_size: int, fundus_crop: str = "none") -> SiteData:
         """The site's data at ``image_size`` (loaded once, through the same path as training and inference)."""
-        from engine.data.datalist import outside_paths_allowed
-        from engine.data.site_data import load_site
-        from engine.tasks import get_task
-
         key = (task, image_size, fundus_crop)
         if key not in self._data:
             self.events.status(f"loading {self.cfg.datalist.name} at {image_size} px")
@@ -100,8 +102,6 @@ class SiteWorker:
         return ins
 
     def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:
-        from engine.federation.spec import MethodSpec, build_method
-
         spec = MethodSpec.from_json(spec_json)
         if spec.task != self.cfg.task:
             raise ConfigError(f"the coordinator runs task {spec.task!r} but this site's data is for {self.cfg.task!r}; "
@@ -191,8 +191,6 @@ class SiteWorker:
         info = content.config_records.get(records.INFO, {})
         action = info.get("action")
         if action == "evaluate":
-            from engine.federation.flower.final_evaluation import evaluate_at_site
-
             return evaluate_at_site(self, content)
         if action == "final_model":  # a dialogue method's end: assemble this site's bundle (dialogue.py)
             from engine.federation.flower.dialogue import receive_final
@@ -214,8 +212,6 @@ def _with_timing(update: SiteUpdate, train_s: float) -> SiteUpdate:
 
 def shareable_reason(exc: BaseException, site: str) -> str:
     """What the coordinator may learn about a failure at ``site`` (never a local path)."""
-    from engine.security.approval import AppNotApproved
-
     if isinstance(exc, (AppNotApproved, *_SHAREABLE_ERRORS)):
         return str(exc)
     if isinstance(exc, CancelledError):

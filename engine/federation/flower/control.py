@@ -12,6 +12,7 @@ import logging
 import httpx
 
 from engine.errors import FedSMError
+from engine.federation.flower.local_auth import interceptors
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +34,6 @@ class ControlClient:
     def __init__(self, address: str, local_secret: str | None = None) -> None:
         from flwr.supercore.control import ControlHttpClient
         from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
-
-        from engine.federation.flower.local_auth import interceptors
 
         self._client = ControlHttpClient.from_server_address(
             address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"),

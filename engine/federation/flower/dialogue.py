@@ -44,14 +44,23 @@ import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from engine.bundle import check_site_name, save_bundle
+from engine.bundle.split import SplitBundle, save_split_bundle
 from engine.errors import CancelledError, ConfigError, FedSMError, WeightsError
 from engine.federation.checkpoint import Checkpoint, load_site_state_before, save_site_state
 from engine.federation.events import PendingReport
 from engine.federation.flower import records
-from engine.federation.flower.grid_exchange import exchange
+from engine.federation.flower.grid_exchange import QUERY, exchange
 from engine.federation.flower.server_app import CheckpointWriter, FederationRunner
+from engine.federation.flower.upload_limits import MIN_REPLY_LIMIT
+from engine.fl.exchange import ExchangeMethod, Failure, Reply, Request, tensor_bytes
+from engine.fl.methods import SiteInstructions, SiteRuntime
+from engine.fl.weights import all_finite
 
 if TYPE_CHECKING:
     from flwr.app import Message, RecordDict
@@ -100,8 +109,6 @@ def _tensors(content: RecordDict, part: str, what: str) -> dict[str, Any]:
 
 def decode_request(content: RecordDict) -> tuple[dict[str, Any], Request]:
     """``(info, request)`` of a ``train.exchange`` message (raises :class:`WeightsError` when malformed)."""
-    from engine.fl.exchange import Request
-
     info = content.config_records.get(records.INFO)
     if info is None:
         raise WeightsError("exchange without its 'fedsm' settings record; is the coordinator a FedSM server?")
@@ -132,8 +139,6 @@ def encode_reply(reply: Reply, *, site: str, rnd: int, exchange_id: int) -> Reco
 
 def decode_reply(content: RecordDict, site: str, rnd: int, exchange_id: int) -> Reply:
     """Decode ``site``'s answer strictly (:class:`WeightsError` otherwise)."""
-    from engine.fl.exchange import Reply
-
     what = f"answer of {site} (round {rnd}, exchange {exchange_id})"
     unknown = sorted(k for k in content
                      if k not in (records.INFO, records.METRICS, records.LAYOUT, records.WEIGHTS_PREFIX + REPLY_PART))
@@ -159,8 +164,6 @@ def decode_reply(content: RecordDict, site: str, rnd: int, exchange_id: int) -> 
 
 def dialogue_reply_limit(method: ExchangeMethod) -> int:
     """The coordinator's upload limit for a dialogue method: its largest reply doubled plus 16 MiB (>= 128 MiB)."""
-    from engine.federation.flower.upload_limits import MIN_REPLY_LIMIT
-
     largest = method.max_reply_bytes()
     if largest is None:
         return MIN_REPLY_LIMIT
@@ -195,9 +198,6 @@ class DialogueRunner(FederationRunner):
         gets no bundle (an ``error`` event says why); the run's result does not depend on it.
         """
         from flwr.app import Message
-
-        from engine.federation.flower.grid_exchange import QUERY
-        from engine.fl.methods import SiteInstructions
 
         final_models = getattr(self.method, "final_models", None)
         declared = getattr(self.method, "FINAL_CONTENTS", {})
@@ -251,8 +251,6 @@ class DialogueRunner(FederationRunner):
                              f"{sorted(declared)}")
 
     def _round(self, grid: Grid, state: WeightSet, rnd: int, writer: CheckpointWriter) -> WeightSet:
-        from engine.fl.exchange import Failure, tensor_bytes
-
         total = self.method.total_rounds
         started = time.monotonic()
         self.events.emit("round_start", round=rnd, rounds=total, method=self.method.name)
@@ -340,8 +338,6 @@ class DialogueRunner(FederationRunner):
 
     def _decode(self, message: Message, request: Request, site: str, rnd: int, exchange_id: int,
                 left_out: dict[str, str]) -> Any:
-        from engine.fl.exchange import Failure
-
         if message.has_error():
             reason = f"the site answered with an error: {message.error.reason}"
         else:
@@ -378,8 +374,6 @@ def _advance(dialogue: Any, answers: Any) -> Any:
 
 def _not_finite(state: Any) -> str | None:
     """The first tensor of ``state`` (``{part: {name: tensor}}``) holding NaN or Inf, as ``part/name``."""
-    import torch
-
     for part, tensors in state.items():
         if not isinstance(tensors, dict):
             continue
@@ -399,9 +393,6 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     after every answer (``state/<session>/after-round-N``), so a restarted site resumes from
     the round before.
     """
-    from engine.fl.exchange import ExchangeMethod
-    from engine.fl.methods import SiteRuntime
-
     received_at = time.monotonic()
     info, request = decode_request(content)
     site, rnd, exchange_id = str(info["site"]), int(info["round"]), int(info["exchange"])
@@ -453,10 +444,6 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
 
 def site_bundle_path(work_dir: Any, method: str, session: str) -> Any:
     """Where a site writes the bundle of a dialogue run: ``<work_dir>/models/<method>-<session[:12]>.safetensors``."""
-    from pathlib import Path
-
-    from engine.bundle import check_site_name
-
     check_site_name(session)  # a session id names a file: letters, digits, '-', '_' only
     return Path(work_dir) / "models" / f"{method}-{session[:12]}.safetensors"
 
@@ -472,10 +459,6 @@ def receive_final(worker: Any, content: RecordDict) -> RecordDict:
     no metric) is a ``sent`` event of 0 bytes.
     """
     from flwr.app import ConfigRecord, MetricRecord, RecordDict
-
-    from engine.fl.exchange import ExchangeMethod
-    from engine.fl.methods import SiteRuntime
-    from engine.fl.weights import all_finite
 
     ins = worker.addressed_instructions(content, "final message")
     method, spec = worker.method(ins.spec_json)
@@ -521,9 +504,6 @@ def receive_final(worker: Any, content: RecordDict) -> RecordDict:
 
 def _save_any_bundle(path: Any, bundle: Any) -> str:
     """Write a split bundle or a (single-model) super-model bundle atomically; its SHA-256."""
-    from engine.bundle import save_bundle
-    from engine.bundle.split import SplitBundle, save_split_bundle
-
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(bundle, SplitBundle):
         return save_split_bundle(path, bundle)

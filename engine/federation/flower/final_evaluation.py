@@ -23,6 +23,7 @@ import numpy as np
 
 from engine.errors import ConfigError, WeightsError
 from engine.federation.flower import records
+from engine.federation.flower.grid_exchange import QUERY, exchange
 
 if TYPE_CHECKING:
     from flwr.app import Grid, RecordDict
@@ -119,8 +120,6 @@ def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> di
     (an ``error`` event says why); the run's result does not depend on them.
     """
     from flwr.app import Message
-
-    from engine.federation.flower.grid_exchange import QUERY, exchange
 
     if "global" not in state or runner.method.name == "local":
         return {}  # dialogue methods and local training: no shared final model to send

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.federation.flower.asgi import App, Message, Receive, Scope, Send
+from engine.federation.flower.local_auth import guard
 from engine.federation.flower.request_body import WholeBody, read_body, replaying
 from engine.federation.flower.upload_limits import MAX_BODY as UPLOAD_MAX_BODY
 from engine.federation.flower.upload_limits import (
@@ -223,8 +224,6 @@ def serve(app: Any, *, local: tuple[str, int], public: tuple[str, int], ssl_cert
     requests that carry it (:mod:`.local_auth`).
     """
     import uvicorn
-
-    from engine.federation.flower.local_auth import guard
 
     class _Quiet(uvicorn.Server):
         """A server that leaves signals to :func:`serve`."""

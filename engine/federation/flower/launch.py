@@ -41,19 +41,28 @@ their HTTP APIs read each request body whole before Flower's middleware sees it
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import json
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import engine.federation.flower  # noqa: F401  (sets Flower's environment first)
+from engine.errors import FedSMError
 from engine.federation.flower import tuning
+from engine.federation.flower.fleet_auth import HeaderAuth
+from engine.federation.flower.fleet_listener import serve
+from engine.federation.flower.local_auth import secret_from_environment
 from engine.federation.flower.memory import freeze_startup_objects, keep_freed_memory
 from engine.federation.flower.request_body import wrap_supernode_runtime_api
+from engine.security.approval import AppNotApproved, app_hash, check_app_approved
+from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
 
 _GRACE_S = 10.0
 #: Start of the output line by which the SuperNode tells the site process that it refused an app.
@@ -99,8 +108,6 @@ class _CappedTime:
 
 
 def _prompt_supernode(cap: float) -> None:
-    import functools
-
     from flwr.supercore.inflatable import inflatable_utils
     from flwr.supernode import start_client_internal
 
@@ -132,8 +139,6 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
     from flwr.app import Error, Message
     from flwr.common.constant import ErrorCode
     from flwr.supercore.run import RunNotRunningException
-
-    from engine.security.approval import AppNotApproved, check_app_approved
 
     original = module._pull_and_store_message
     say = report or (lambda text: print(text, flush=True))
@@ -177,11 +182,6 @@ def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> st
     """Why the run's signed settings are refused under ``policy`` (``None``: accepted or no policy)."""
     if policy is None:
         return None
-    from pathlib import Path
-
-    from engine.errors import FedSMError
-    from engine.security.approval import app_hash
-    from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
 
     try:
         verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
@@ -199,14 +199,8 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
     Replaces ``_run_superlink_http_api`` of Flower's SuperLink command (which runs the one
     FastAPI application with uvicorn) by :func:`engine.federation.flower.fleet_listener.serve`.
     """
-    from pathlib import Path
-
     from flwr.supercore.http_logging import get_uvicorn_log_config
     from flwr.superlink.main import create_app
-
-    from engine.federation.flower.fleet_auth import HeaderAuth
-    from engine.federation.flower.fleet_listener import serve
-    from engine.federation.flower.local_auth import secret_from_environment
 
     if not callable(getattr(module, "_run_superlink_http_api", None)):
         raise SystemExit("this Flower version's SuperLink command has no _run_superlink_http_api; FedSM needs "
@@ -264,8 +258,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.poll_interval is not None:
             _prompt_supernode(args.poll_interval)
         if args.approved_apps is not None:
-            import json
-
             from flwr.supernode import start_client_internal
 
             guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import sys
 
@@ -87,8 +88,6 @@ def freeze_startup_objects() -> None:
     Request handling makes many short-lived containers, so young collections are spaced
     wider too; reference counting still frees everything that is not in a cycle at once.
     """
-    import gc
-
     gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()

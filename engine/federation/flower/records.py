@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.lib import format as npy
 
 from engine.errors import WeightsError
 
@@ -78,7 +79,6 @@ def pack(weights: dict[str, torch.Tensor]) -> tuple[Any, str]:
 def _flat_array(parts: list[np.ndarray]) -> Any:
     """An ``Array`` holding ``parts`` one after the other, as ``.npy`` bytes (what ``np.save`` writes)."""
     from flwr.app import Array
-    from numpy.lib import format as npy
 
     dtype = parts[0].dtype
     total = sum(int(part.size) for part in parts)
@@ -93,8 +93,6 @@ def _flat_array(parts: list[np.ndarray]) -> Any:
 
 def _flat_values(array: Any, dtype: str, what: str) -> np.ndarray:
     """A read-only view of a flat ``.npy`` array's values, after checking its header (:class:`WeightsError`)."""
-    from numpy.lib import format as npy
-
     data = array.data
     if getattr(array, "stype", None) != "numpy.ndarray" or not isinstance(data, bytes | bytearray | memoryview):
         raise WeightsError(f"{what}: array {dtype!r} is not a NumPy array")

@@ -30,13 +30,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+from engine.bundle.single import single_model_bundle
 from engine.errors import ConfigError, FedSMError
-from engine.federation.checkpoint import Checkpoint
+from engine.federation.checkpoint import Checkpoint, load_latest_valid, round_files, save_weightset
 from engine.federation.config import FederationConfig, is_loopback
 from engine.federation.events import EventWriter
+from engine.federation.flower import tuning
+from engine.federation.flower.app_bundle import build_app_bundle
+from engine.federation.flower.final_evaluation import bundle_val_dice
+from engine.federation.flower.fleet_auth import write_keys
+from engine.federation.flower.local_auth import ENV as SECRET_ENV
+from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
-from engine.federation.preflight import round_banner
+from engine.federation.flower.upload_limits import RefusedReplies, reply_limit_for
+from engine.federation.preflight import check_port_free, round_banner
+from engine.federation.spec import MethodSpec, build_method
+from engine.fl.registry import EXCHANGE_METHODS
+from engine.inference.guard import site_validation_from_state
 from engine.io.atomic import write_text_atomic
+from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope
+from engine.tasks import get_task
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +60,6 @@ CHECKPOINT = "checkpoint.safetensors"
 def _prepare_resume(cfg: FederationConfig, resume: bool, app_hash: str, events: EventWriter
                     ) -> tuple[Checkpoint | None, str]:
     path = cfg.work_dir / CHECKPOINT
-    from engine.federation.checkpoint import load_latest_valid, round_files
 
     if not resume:
         if path.exists():
@@ -60,7 +73,6 @@ def _prepare_resume(cfg: FederationConfig, resume: bool, app_hash: str, events: 
         events.error(f"checkpoint skipped: {problem}")
     if problems:
         events.status(f"resuming from the checkpoint of round {ckpt.round}, the newest one that verifies")
-    from engine.federation.spec import MethodSpec
 
     differ = MethodSpec.from_json(ckpt.spec_json).differences(cfg.spec)
     if differ:
@@ -93,8 +105,6 @@ def _security_inputs(cfg: FederationConfig, insecure: bool) -> dict[str, bytes]:
 
 def _check_ports(cfg: FederationConfig) -> None:
     """One clear line when the Fleet address or the fixed SuperLink port is taken (see engine.federation.preflight)."""
-    from engine.federation.preflight import check_port_free
-
     check_port_free(cfg.host, cfg.port, "the coordinator's address", f"{cfg.path} [federation] address")
     if cfg.superlink_port:
         check_port_free("127.0.0.1", cfg.superlink_port, "the SuperLink's loopback port",
@@ -116,8 +126,6 @@ def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str 
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
-
-    from engine.federation.flower.local_auth import interceptors
 
     client = RuntimeHttpClient.from_server_address(
         server_address=address, insecure=True, root_certificates=None,
@@ -144,18 +152,11 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     ``val_dice`` and ``extra["site_dice"]``. ``final_models`` (dialogue methods): per site, whether
     the end-of-run message with its final models was delivered, its bytes and parts (``summary.json``).
     """
-    from engine.federation.checkpoint import save_weightset
-    from engine.federation.flower.final_evaluation import bundle_val_dice
-    from engine.fl.registry import EXCHANGE_METHODS
-
     spec = cfg.spec
     files: dict[str, str] = {}
     if spec.method in ("fedsm", "fedsm-extra"):
-        from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
         from engine.fl.routing_choice import CHOICE_PART, choice_summary
         from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
-        from engine.inference.guard import site_validation_from_state
-        from engine.tasks import get_task
 
         task = get_task(spec.task)
         gate = gate_metadata(state.get(GATE_PART, {}), list(spec.site_names)) if spec.method == "fedsm" else {}
@@ -189,7 +190,6 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
         files["server"] = "server.safetensors"
         make_bundle = getattr(method, "bundle", None)
         if make_bundle is not None:  # FedIOD: the distilled student, a single-model bundle fedsm infer opens
-            from engine.bundle import save_bundle
 
             save_bundle(cfg.work_dir / "student.safetensors",
                         make_bundle(state, {"seed": spec.seed, "session": session, "app_hash": app_hash,
@@ -197,8 +197,6 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             files["student"] = "student.safetensors"
     elif "global" in state:
         # a single-model bundle, so fedsm infer / evaluate and the desktop app open it like a super model
-        from engine.bundle import save_bundle
-        from engine.bundle.single import single_model_bundle
 
         bundle = single_model_bundle(spec.task, spec.method, state["global"], list(spec.site_names),
                                      spec.image_size, rounds=method.total_rounds,
@@ -252,11 +250,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     from flwr.supercore.runtime import RuntimeHttpClient
     from flwr.supercore.task_identity import TaskIdentity
 
-    from engine.federation.flower import tuning
-    from engine.federation.flower.app_bundle import build_app_bundle
     from engine.federation.flower.control import ControlClient
-    from engine.federation.flower.local_auth import ENV as SECRET_ENV
-    from engine.federation.flower.local_auth import interceptors, new_secret
     from engine.federation.flower.server_app import (
         FederationRunner,
         RegisteredSites,
@@ -265,7 +259,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         build_server_app,
     )
     from engine.federation.flower.transfer import PromptHttpGrid
-    from engine.federation.spec import build_method
     from engine.fl.exchange import ExchangeMethod
 
     tuning.apply()  # fewer copies of every weight byte in Flower's message handling
@@ -282,8 +275,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
     secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
-    from engine.federation.flower.fleet_auth import write_keys
-    from engine.federation.flower.upload_limits import RefusedReplies, reply_limit_for
     from engine.fl.robust import RobustSettings
 
     fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
@@ -321,7 +312,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         if stale:
             events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
         # the run's settings, signed with the coordinator's key: sites check them before pulling any payload
-        from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope
 
         envelope = make_envelope(cfg.spec.to_json(), app.hash, session,
                                  None if insecure else cfg.tls.server_key, None if insecure else cfg.tls.server_cert)

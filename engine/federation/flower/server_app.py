@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,6 +27,7 @@ from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.federation.checkpoint import KEEP_CHECKPOINTS, Checkpoint
 from engine.federation.events import EventWriter
 from engine.federation.flower import records
+from engine.federation.flower.final_evaluation import evaluate_final
 from engine.federation.flower.grid_exchange import QUERY, TRAIN, exchange
 from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 
@@ -389,8 +391,6 @@ class CheckpointWriter:
         self._pending: list[Any] = []
 
     def __enter__(self) -> CheckpointWriter:
-        from concurrent.futures import ThreadPoolExecutor
-
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         return self
 
@@ -419,8 +419,6 @@ def build_server_app(runner: FederationRunner, resume: Checkpoint | None, result
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        from engine.federation.flower.final_evaluation import evaluate_final
-
         result["state"] = runner.run(grid, resume)
         # each site's validation and testing Dice of the final models (final_evaluation.py)
         result["site_dice"] = evaluate_final(runner, grid, result["state"])

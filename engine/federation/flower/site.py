@@ -24,14 +24,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.data.datalist import outside_paths_allowed
 from engine.errors import CancelledError, ConfigError, FedSMError
 from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
 from engine.federation.events import EventWriter
+from engine.federation.flower import tuning
+from engine.federation.flower.client_app import SiteWorker, build_client_app, shareable_reason
 from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
 from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
-from engine.federation.preflight import CoordinatorWatch
+from engine.federation.preflight import CoordinatorWatch, check_port_free, check_site_certificates, check_site_datalist
+from engine.io.masks import set_orientation_tolerance
+from engine.security.approval import AppNotApproved, app_hash, check_app_approved
+from engine.security.run_spec import RUN_CONFIG_KEY, RunSpecRefused, SiteBounds, bounds_dict, describe, verify_envelope
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +53,17 @@ def site_bounds(cfg: SiteConfig) -> Any:
     :func:`engine.federation.flower.dialogue.answer_exchange`; docs/federation.md §10). An
     operator's own ``allowed_methods`` list is taken as written.
     """
-    from engine.security.run_spec import SiteBounds
-
     return SiteBounds.from_dict(cfg.bounds)
 
 
 def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
     """What a run's signed settings are checked against: the federation CA (none when insecure) and [bounds]."""
-    from engine.security.run_spec import bounds_dict
-
     return {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
             "bounds": bounds_dict(site_bounds(cfg))}
 
 
 def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes) -> dict[str, Any]:
     """The run's verified settings (:func:`engine.security.run_spec.verify_envelope`) from its run config."""
-    from engine.security.approval import app_hash
-    from engine.security.run_spec import RUN_CONFIG_KEY, verify_envelope
-
     return verify_envelope((run_config or {}).get(RUN_CONFIG_KEY),
                            ca_cert=None if insecure or cfg.ca_cert is None else cfg.ca_cert,
                            app_hash=app_hash(fab), bounds=site_bounds(cfg))
@@ -222,8 +221,6 @@ class TaskExecutor:
         With :attr:`confirm`, the event says so (``confirm: true``) and the operator's answer,
         asked once per run, decides.
         """
-        from engine.security.run_spec import bounds_dict, describe
-
         key = settings["session"] + settings["spec_json"]
         if key not in self._announced:
             shown = describe(settings)
@@ -258,10 +255,7 @@ class TaskExecutor:
         from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
         from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
-        from engine.federation.flower.client_app import shareable_reason
         from engine.federation.flower.transfer import pull_task_header, pull_task_message, release_task_message
-        from engine.security.approval import AppNotApproved, check_app_approved
-        from engine.security.run_spec import RunSpecRefused
 
         client = self._client(token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
@@ -333,9 +327,6 @@ ONCE_GRACE_S = 30.0
 
 def _preflight(cfg: SiteConfig, insecure: bool) -> None:
     """Datalist, certificates and the fixed runtime port checked before joining (engine.federation.preflight)."""
-    from engine.data.datalist import outside_paths_allowed
-    from engine.federation.preflight import check_port_free, check_site_certificates, check_site_datalist
-
     with outside_paths_allowed(cfg.allow_outside):
         check_site_datalist(cfg.datalist, cfg.task, str(cfg.path))
     if not insecure:
@@ -354,15 +345,11 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     before any payload is pulled; ``False`` refuses the run (``fedsm site --confirm-runs``).
     Returns the process exit status (0 = stopped normally or run finished).
     """
-    from engine.federation.flower import tuning
-    from engine.federation.flower.client_app import SiteWorker, build_client_app
-
     tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_insecure_allowed(cfg, insecure)
     check_site_files(cfg, secure=not insecure)
-    from engine.io.masks import set_orientation_tolerance
 
     set_orientation_tolerance(cfg.tolerate_orientation)  # process-wide: the ClientApp runs in this process
     _preflight(cfg, insecure)

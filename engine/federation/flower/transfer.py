@@ -28,9 +28,27 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from flwr.app import Message
+from flwr.common.serde import context_from_proto, fab_from_proto, message_from_proto, run_from_proto
+from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
+from flwr.proto.node_pb2 import Node
+from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+    make_confirm_message_received_fn_protobuf,
+    make_pull_object_fn_protobuf,
+)
+from flwr.supercore.inflatable.inflatable_utils import (
+    ObjectPullError,
+    ObjectUnavailableError,
+    inflate_object_from_contents,
+)
+from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.grid import HttpGrid
 
 from engine.errors import CancelledError
+from engine.federation.flower.local_auth import interceptors
+from engine.federation.flower.upload_limits import REPLY_TO
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +84,6 @@ def pull_objects_promptly(object_ids: list[str], pull_object_fn: Callable[[str],
     (:class:`AbandonedTransfer`) when ``abandon()`` returns a reason. Any other error of
     ``pull_object_fn`` is raised as it is.
     """
-    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
-
     def attempt(object_id: str) -> bytes | None:
         try:
             return pull_object_fn(object_id)
@@ -120,10 +136,6 @@ class TaskHeader:
 
 def pull_task_header(client: Any) -> TaskHeader:
     """The run, app bundle (FAB), context and message metadata of ``client``'s task: no payload yet."""
-    from flwr.common.serde import context_from_proto, fab_from_proto, message_from_proto, run_from_proto
-    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
-    from flwr.supercore.task_identity import TaskIdentity
-
     res = client.PullTaskInput(PullTaskInputRequest())
     TaskIdentity.task_id = res.task_id
     TaskIdentity.run_id = res.run.run_id
@@ -142,12 +154,6 @@ def pull_task_header(client: Any) -> TaskHeader:
 def pull_task_message(client: Any, task: TaskHeader, stall_timeout: float = 60.0,
                       cancel: Callable[[], bool] | None = None) -> Any:
     """Pull and inflate the task's message (its payload) from the SuperNode."""
-    from flwr.app import Message
-    from flwr.proto.node_pb2 import Node
-    from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
-    from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
-
     node = Node(node_id=task.context.node_id)
     tree = task.tree
     contents = pull_objects_promptly([t.object_id for t in iterate_object_tree(tree)],
@@ -163,9 +169,6 @@ def pull_task_message(client: Any, task: TaskHeader, stall_timeout: float = 60.0
 
 def release_task_message(client: Any, task: TaskHeader) -> None:
     """Tell the SuperNode the task's message was taken, so it drops its copy (pulled or not)."""
-    from flwr.proto.node_pb2 import Node
-    from flwr.supercore.inflatable.inflatable_protobuf_utils import make_confirm_message_received_fn_protobuf
-
     make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, Node(node_id=task.context.node_id),
                                               task.context.run_id)(task.tree.object_id)
 
@@ -222,8 +225,6 @@ class PromptHttpGrid(HttpGrid):
         self._retry_invoker.max_time = float(seconds)
 
     def _connect(self) -> None:
-        from engine.federation.flower.local_auth import interceptors
-
         super()._connect()
         if self.local_secret and self._client is not None:
             # HttpGrid builds its client with a fixed list of interceptors; add the secret's
@@ -234,15 +235,6 @@ class PromptHttpGrid(HttpGrid):
         super().close()
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]:
-        from flwr.app import Message
-        from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
-        from flwr.proto.runtime_pb2 import PullAppMessagesRequest
-        from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-        from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
-        from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, inflate_object_from_contents
-
-        from engine.federation.flower.upload_limits import REPLY_TO
-
         run_id = self.run.run_id
         client = self._runtime_client
         message_ids = list(message_ids)

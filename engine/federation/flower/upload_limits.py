@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 from typing import Any
 
 #: Largest request body a site may send: one 5 MiB array chunk plus its framing.
@@ -206,8 +207,6 @@ class RefusedReplies:
     """
 
     def __init__(self) -> None:
-        import threading
-
         self._lock = threading.Lock()
         self._reasons: collections.OrderedDict[str, str] = collections.OrderedDict()
 
