@@ -5,6 +5,8 @@ Importing this module is cheap (no torch, no MONAI); each call imports what it n
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,8 +176,6 @@ def read_bundle_metadata(path: Path) -> dict[str, Any]:
     A split-network (BlackFed) bundle gives its own metadata with ``routing = "site"``: no
     selector routes, the user chooses whose client net segments.
     """
-    import json
-
     from engine.bundle import load_bundle
     from engine.bundle.split import is_split_bundle, load_split_bundle
 
@@ -278,8 +278,6 @@ def site_command(config: Path, json_events: bool = True, confirm_runs: bool = Fa
     :data:`RUN_ACCEPT` (or :data:`RUN_DECLINE`) on its standard input
     (:mod:`engine.security.run_review`).
     """
-    import sys
-
     argv = [sys.executable, "-m", "engine.cli.main", "site", "--config", str(Path(config))]
     argv += ["--json"] if json_events else []
     return [*argv, "--confirm-runs"] if confirm_runs else argv

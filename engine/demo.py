@@ -16,14 +16,18 @@ in ``cache_dir`` is used before the shipped one. :func:`build_shipped_demo` (run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.tasks import get_task
+from engine.threads import use_free_cores
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +124,6 @@ def shipped_demo_dir() -> Path | None:
     The second place serves a checkout run without installing and an editable install made
     before the package existed (``resources/fedsm_demo`` beside ``engine/``).
     """
-    from importlib import resources
-
     try:
         root = resources.files(SHIPPED_PACKAGE)
     except ModuleNotFoundError:
@@ -235,7 +237,6 @@ def validation_dice(bundle_path: Path, datalists: list[Path], image_size: int) -
     from engine.fl.evaluation import dice_per_case
     from engine.inference.postprocess import clean_fundus_masks
     from engine.inference.predictor import SuperModelPredictor
-    from engine.tasks import get_task
 
     task = get_task("fundus")
     predictor = SuperModelPredictor(load_bundle(bundle_path), device="auto")
@@ -314,7 +315,6 @@ def _train(cache_dir: Path, cfg: DemoSettings, progress: ProgressFn | None,
            cancel: Callable[[], bool] | None) -> dict[str, Any]:
     from engine.io.atomic import write_text_atomic
     from engine.simulate import SimulationConfig, run_simulation
-    from engine.threads import use_free_cores
 
     (cache_dir / MANIFEST).unlink(missing_ok=True)
     threads = use_free_cores()
@@ -373,8 +373,6 @@ def half_precision_bundle(source: Path, target: Path, note: dict[str, Any]) -> s
     is a normal one at half the size. ``note`` is recorded in the metadata's ``extra["demo"]``.
     Returns the written file's SHA-256.
     """
-    import dataclasses
-
     from engine.bundle import SuperModelBundle, load_bundle, save_bundle
 
     full = load_bundle(source)

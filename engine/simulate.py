@@ -9,6 +9,7 @@ documented in ``docs/report-schema.md``.
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -19,8 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from engine.catalogue import DEFAULT_LAM, extra_rounds_default, method_names
+from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
+from engine.bundle.single import single_model_bundle
+from engine.bundle.split import SplitBundle, save_split_bundle
+from engine.catalogue import DEFAULT_LAM, build_method, extra_rounds_default, method, method_names
+from engine.data.disc_crop import check_mode
+from engine.data.site_data import SplitArrays, load_site
+from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 from engine.errors import ConfigError, FedSMError
+from engine.federation.exchange_ledger import LedgerWriter
+from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
+from engine.fl.selector_schemes import check_calibration, default_selector_lr
+from engine.inference.guard import site_validation_from_state
+from engine.report import traffic_summary, write_reports
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -94,14 +106,11 @@ class SimulationConfig:
     personalization: str = "softpull"
 
     def __post_init__(self) -> None:
-        from engine.data.disc_crop import check_mode
-
         get_task(self.task)
         check_mode(self.fundus_crop)
         if self.datalists:
             self.datalists = tuple(str(p) for p in self.datalists)
             self.sites = len(self.datalists)
-        from engine.fl.registry import EXCHANGE_METHODS
 
         unknown = [m for m in self.methods if m not in method_names() and m not in EXCHANGE_METHODS]
         if unknown:
@@ -111,7 +120,6 @@ class SimulationConfig:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
-        from engine.fl.selector_schemes import check_calibration
 
         check_calibration(self.selector_calibration)
         from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
@@ -145,7 +153,6 @@ class SimulationConfig:
         """Local training settings; ``per_batch_selector`` for methods that keep the per-batch selector
         (FedSM-extra, the personalization variants), whose default selector lr is the small one."""
         from engine.fl.local_training import LocalTrainingConfig
-        from engine.fl.selector_schemes import default_selector_lr
 
         scheme = "lda" if per_batch_selector else self.selector_calibration
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
@@ -159,8 +166,6 @@ class SimulationConfig:
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
     """The sites' datalists: the real ones configured, else matching synthetic data reused or generated."""
-    from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
-
     if cfg.datalists:
         log.info("training on %d site datalist(s): %s", len(cfg.datalists), ", ".join(cfg.datalists))
         return [Path(p) for p in cfg.datalists]
@@ -221,8 +226,6 @@ class Simulation:
 
     # --- data ----------------------------------------------------------------------------
     def load_sites(self) -> None:
-        from engine.data.site_data import load_site
-
         datalists = prepare_data(self.cfg, self.out_dir, self.progress)
         self.sites = [load_site(p, self.task, self.cfg.image_size, fundus_crop=self.cfg.fundus_crop)
                       for p in datalists]
@@ -241,7 +244,6 @@ class Simulation:
         return [SiteRuntime(s.name, i, s.train, validation=s.validation) for i, s in enumerate(self.sites)]
 
     def _pooled_runtime(self) -> Any:
-        from engine.data.site_data import SplitArrays
         from engine.fl.methods import SiteRuntime
 
         parts = [s.train for s in self.sites]
@@ -282,8 +284,6 @@ class Simulation:
 
     # --- methods -------------------------------------------------------------------------
     def _build_method(self, name: str) -> Any:
-        from engine.catalogue import build_method, method
-
         training = self.cfg.training(per_batch_selector=method(name).per_batch_selector)
         return build_method(name, self.task, [s.name for s in self.sites], training, self.cfg.seed, self.cfg.rounds,
                             self.cfg)
@@ -293,7 +293,6 @@ class Simulation:
         from engine.federation.inprocess import run_rounds
         from engine.fl.evaluation import segment_with
         from engine.fl.methods import FedAvg, FedSM
-        from engine.fl.registry import EXCHANGE_METHODS
 
         if name in EXCHANGE_METHODS:
             return self.run_exchange_method(name)
@@ -390,10 +389,8 @@ class Simulation:
         site segments with the result; ``report_extra(state, runtimes)`` (when the method has
         it) adds method-specific results, and a ``"bundle"`` among them is saved with the report.
         """
-        from engine.federation.exchange_ledger import LedgerWriter
         from engine.federation.inprocess import run_exchange_rounds
         from engine.fl.evaluation import dice_per_case
-        from engine.fl.registry import build_exchange_method
 
         start = time.perf_counter()
         settings = asdict(self.cfg)
@@ -491,10 +488,8 @@ class Simulation:
         method.aggregate = aggregate_and_report
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
-        from engine.bundle import BundleMetadata, SuperModelBundle
         from engine.fl.routing_choice import CHOICE_PART, choice_summary
         from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
-        from engine.inference.guard import site_validation_from_state
 
         extra_method = method.name == "fedsm-extra"
         guarded = not extra_method and "validation_dice" in state
@@ -528,7 +523,6 @@ class Simulation:
 
     def _single_model_bundle(self, name: str, weights: Any, rounds: int) -> Any:
         """FedAvg/FedProx/Scaffold's global model as a single-model bundle, with its per-site validation Dice."""
-        from engine.bundle.single import single_model_bundle
         from engine.fl.evaluation import dice_per_case, segment_with
 
         val_dice: dict[str, float | None] = {}
@@ -638,14 +632,11 @@ class Simulation:
     # --- whole run -----------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Run every configured method and write the report files and super model."""
-        from engine.report import traffic_summary, write_reports
-
         started = time.perf_counter()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.load_sites()
         results: dict[str, MethodResult] = {}
         bundles: dict[str, Any] = {}
-        from engine.fl.registry import EXCHANGE_METHODS
 
         order = [m for m in method_names() if m in self.cfg.methods]
         order += [m for m in self.cfg.methods if m in EXCHANGE_METHODS and m not in order]
@@ -714,9 +705,6 @@ def _write_failure(exc: BaseException) -> str:
 
 def _save_any_bundle(path: Path, bundle: Any) -> str:
     """Save a super model, single-model bundle, or a dialogue method's split-network bundle (BlackFed)."""
-    from engine.bundle import save_bundle
-    from engine.bundle.split import SplitBundle, save_split_bundle
-
     if isinstance(bundle, SplitBundle):
         return save_split_bundle(path, bundle)
     return save_bundle(path, bundle)
@@ -731,8 +719,6 @@ def _site_summary(site: Any) -> dict[str, Any]:
 
 
 def _machine_info(device: str) -> dict[str, Any]:
-    import os
-
     import torch
 
     from engine.fl.local_training import Device

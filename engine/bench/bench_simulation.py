@@ -8,13 +8,14 @@ jobs with it; :mod:`.fediod_bench` trains FedIOD's jobs with it too.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.bench.presets import BenchPreset, TaskPreset
+from engine.errors import ConfigError
 from engine.simulate import Simulation, SimulationConfig
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -41,8 +42,6 @@ def sweep_lam(lam: float) -> float:
     rises to 1 at lam = 1 (local training). So the sweep trains such values as given rather than
     silently raising them to ``1/K``; the report shows the requested and the used value.
     """
-    from engine.errors import ConfigError
-
     lam = float(lam)
     if not 0.0 <= lam <= 1.0:
         raise ConfigError(f"lam sweep value {lam} must lie in [0, 1]")
@@ -72,8 +71,6 @@ class BenchSimulation(Simulation):
             self.cfg.lam = self.softpull_lam  # recorded in the results and the bundle as used
 
     def _build_method(self, name: str) -> Any:
-        from dataclasses import replace
-
         from engine.fl.methods import FedSM
         from engine.fl.personalization import PERSONALIZATIONS
 

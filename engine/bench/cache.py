@@ -28,6 +28,7 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +93,6 @@ def source_fingerprint(root: Path = ENGINE_DIR, sources: tuple[str, ...] = RESUL
 
 
 def _package_version(name: str) -> str | None:
-    from importlib import metadata
-
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.bench.bench_simulation import BenchSimulation, method_result
 from engine.bench.cache import JobKey
+from engine.fl.registry import build_exchange_method
 
 if TYPE_CHECKING:
     from engine.bench.bench_simulation import JobContext
@@ -110,9 +112,7 @@ def summarise(predict: Callable[[int, np.ndarray], np.ndarray], sites: list[Any]
 
 def run_fediod_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Train ``key.method`` and evaluate it (and, for the no-DP FedIOD run, every teacher) with Dice and HD95."""
-    from engine.bench.bench_simulation import BenchSimulation, method_result
     from engine.fl.evaluation import segment_with
-    from engine.fl.registry import build_exchange_method
     from engine.inference.predictor import SuperModelPredictor
 
     preset = ctx.preset

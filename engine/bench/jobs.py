@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,13 @@ from engine.bench.bench_simulation import (
     sweep_lam,
 )
 from engine.bench.cache import JobKey, code_version
+from engine.bench.fediod_bench import fediod_settings, run_fediod_job
 from engine.bench.presets import BenchPreset, TaskPreset
+from engine.bench.split_table import split_compute
+from engine.bench.tuning import TUNE, parse_tune_label, tuned_method
+from engine.data.site_data import load_site
+from engine.data.synth import existing_federation, generate_federation
+from engine.errors import ConfigError
 from engine.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -43,9 +49,6 @@ def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
     ``data_seed`` (default: the preset's fixed one) picks the draw: ``OUT/data/<task>`` for the
     preset's fixed data seed, ``OUT/data/<task>-data<seed>`` where each seed has its own data.
     """
-    from engine.data.site_data import load_site
-    from engine.data.synth import existing_federation, generate_federation
-
     seed = preset.data_seed_for(0) if data_seed is None else int(data_seed)
     folder = tp.task if preset.data_seed is not None else f"{tp.task}-data{seed}"
     data_dir = Path(out_dir) / "data" / folder
@@ -84,7 +87,6 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
                      "lr_min_ratio": preset.lr_min_ratio, "loss": preset.loss, "keep_best": preset.keep_best},
         "code": code_version(),
     }
-    from engine.bench.tuning import TUNE, parse_tune_label, tuned_method
 
     if key.analysis == TUNE:
         settings["training"]["lr"] = parse_tune_label(key.method)[1]
@@ -103,8 +105,6 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
         settings["blackfed"] = asdict(BlackFedConfig())
         settings["keep_best"] = False
     if key.analysis == "fediod":
-        from engine.bench.fediod_bench import fediod_settings
-
         settings["fediod"] = fediod_settings(preset, key)
     if key.analysis == "personalization":
         from engine.fl.personalization import PersonalizationConfig
@@ -146,7 +146,6 @@ def _train(ctx: JobContext, sites: list[Any], method: str, seed: int, lam: float
 def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Run one job and return its JSON-ready result."""
     from engine.bench.routing_analysis import gamma_sweep
-    from engine.bench.tuning import TUNE, parse_tune_label, tuned_method
 
     task = get_task(ctx.tp.task)
     names = [s.name for s in ctx.sites]
@@ -170,8 +169,6 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     if key.analysis == "unseen":
         held = ctx.preset.unseen_site - 1
         if not 0 <= held < len(ctx.sites):
-            from engine.errors import ConfigError
-
             raise ConfigError(f"unseen_site={ctx.preset.unseen_site} is not one of the {len(ctx.sites)} sites")
         train_sites = [s for i, s in enumerate(ctx.sites) if i != held]
         unseen = ctx.sites[held]
@@ -192,19 +189,12 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
         out, _, _ = _train(ctx, ctx.sites, key.method, key.seed, curves=False, lr=lr)
         return out
     if key.analysis == "blackfed":
-        from dataclasses import replace
-
-        from engine.bench.split_table import split_compute
-
         # every method at its last round: BlackFed has no best-round selection
         fair = replace(ctx, preset=replace(ctx.preset, keep_best=False))
         out, _, _ = _train(fair, ctx.sites, key.method, key.seed, curves=False)
         out["compute"] = split_compute(task, ctx.tp.image_size)
         return out
     if key.analysis == "fediod":
-        from engine.bench.fediod_bench import run_fediod_job
-
         return run_fediod_job(ctx, key)
-    from engine.errors import ConfigError
 
     raise ConfigError(f"unknown benchmark analysis {key.analysis!r}; choose from {', '.join(ANALYSES)}")

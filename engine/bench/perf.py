@@ -26,12 +26,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import resource
 import subprocess
 import sys
 import time
+import tracemalloc
 from typing import Any
 
 import numpy as np
+
+from engine.bench.jobs import resolved_device
+from engine.bundle import BundleMetadata, SuperModelBundle
+from engine.data.site_data import SplitArrays
+from engine.tasks import FUNDUS
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,6 @@ def perf_settings(preset: Any, device: str) -> dict[str, Any]:
     version (:func:`engine.bench.cache.code_version`) is included as for the training jobs.
     """
     from engine.bench.cache import code_version
-    from engine.bench.jobs import resolved_device
 
     settings = {"version": PERF_VERSION, "image_size": preset.perf_image_size, "batch_size": preset.batch_size,
                 "selector_size": preset.selector_size, "sites": PERF_SITES, "batches": preset.perf_batches,
@@ -60,8 +66,6 @@ def perf_settings(preset: Any, device: str) -> dict[str, Any]:
 
 
 def _random_split(n: int, channels: int, labels: int, size: int, seed: int = 0) -> Any:
-    from engine.data.site_data import SplitArrays
-
     rng = np.random.default_rng(seed)
     return SplitArrays(rng.random((n, channels, size, size), dtype=np.float32),
                        (rng.random((n, labels, size, size)) > 0.6).astype(np.float32), np.arange(n))
@@ -137,7 +141,6 @@ def measure_throughput(size: int, batch_size: int, selector_size: int, device_na
     from engine.fl.local_training import Device, LocalTrainingConfig, RoundContext, train_fedsm_round
     from engine.fl.weights import model_weights
     from engine.models import build_segmentation_net, build_selector
-    from engine.tasks import FUNDUS
 
     dev = Device.resolve(device_name)
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device=device_name)
@@ -184,7 +187,6 @@ def measure_throughput(size: int, batch_size: int, selector_size: int, device_na
 def _random_bundle(size: int, selector_size: int) -> Any:
     import torch
 
-    from engine.bundle import BundleMetadata, SuperModelBundle
     from engine.fl.weights import model_weights
     from engine.models import build_segmentation_net, build_selector
 
@@ -207,7 +209,6 @@ def measure_routed_inference(size: int, selector_size: int, device_name: str = "
     from engine.device import resolve_device
     from engine.fl.evaluation import segment_with, selector_probabilities
     from engine.inference.predictor import SuperModelPredictor
-    from engine.tasks import FUNDUS
 
     dev, amp = resolve_device(device_name)
     device_name = str(dev)
@@ -251,7 +252,6 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
     from engine.fl.local_training import LocalTrainingConfig
     from engine.fl.methods import OPTIM_PART, FedAvg, FedSM, FedSMExtra
     from engine.models.selector import head_parameter_count
-    from engine.tasks import FUNDUS
 
     names = [f"site{k + 1}" for k in range(sites)]
     cfg = LocalTrainingConfig(device="cpu")
@@ -289,8 +289,6 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
 # 4. peak memory (each measurement in its own process)
 # --------------------------------------------------------------------------------------------
 def _memory_child(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
-    import tracemalloc
-
     import torch
 
     torch.set_num_threads(1)
@@ -306,15 +304,11 @@ def _memory_child(kind: str, size: int, batch_size: int, selector_size: int, ima
 
 
 def _measure_round_memory(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
-    import resource
-    import tracemalloc
-
     import torch
 
     from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
     from engine.fl.weights import model_weights
     from engine.models import build_segmentation_net, build_selector
-    from engine.tasks import FUNDUS
 
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cpu")
     data = _random_split(images, 3, 2, size)
@@ -402,7 +396,6 @@ def measure_cuda(size: int, batch_size: int, selector_size: int) -> dict[str, An
     from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
     from engine.fl.weights import model_weights
     from engine.models import build_segmentation_net, build_selector
-    from engine.tasks import FUNDUS
 
     out: dict[str, Any] = {"measured": True, "gpu": torch.cuda.get_device_name(0)}
     out["throughput"] = measure_throughput(size, batch_size, selector_size, "cuda")

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.bench.bench_simulation import effective_lam, sweep_lam
 from engine.bench.cache import JobKey
+from engine.bench.fediod_bench import plan_fediod_jobs
 from engine.bench.presets import BenchPreset
+from engine.bench.tuning import tune_jobs
 
 #: Pseudo-task of jobs that cover no single task.
 ALL_TASKS = "all"
@@ -21,9 +24,6 @@ def lam_label(lam: float) -> str:
 
 def plan_jobs(preset: BenchPreset) -> list[JobKey]:
     """Every job of ``preset`` in the order they run."""
-    from engine.bench.bench_simulation import effective_lam, sweep_lam
-    from engine.bench.tuning import tune_jobs
-
     jobs: list[JobKey] = []
     if preset.perf:
         jobs.append(JobKey(ALL_TASKS, "perf", "perf", 0))
@@ -50,7 +50,6 @@ def plan_jobs(preset: BenchPreset) -> list[JobKey]:
         for tp in preset.tasks:
             if tp.task in preset.split_tasks:
                 jobs += [JobKey(tp.task, "blackfed", m, seed) for m in preset.split_methods]
-    from engine.bench.fediod_bench import plan_fediod_jobs
 
     return jobs + plan_fediod_jobs(preset)
 

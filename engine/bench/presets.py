@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine import catalogue
@@ -247,8 +247,6 @@ def restrict_preset(preset: BenchPreset, tasks: tuple[str, ...] | None = None, s
     The preset keeps its name and every training setting, so the results (and cache entries) are
     the full preset's for the jobs that run.
     """
-    from dataclasses import replace
-
     out = preset
     if tasks:
         unknown = [t for t in tasks if t not in {tp.task for tp in preset.tasks}]

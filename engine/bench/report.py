@@ -21,9 +21,12 @@ from typing import Any
 from engine import catalogue
 from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
+from engine.bench.fediod_bench import fediod_section
 from engine.bench.plan import ALL_TASKS, machine_label, plan_jobs
 from engine.bench.presets import BenchPreset
 from engine.bench.split_table import split_section
+from engine.bench.tuning import chosen_lrs, tuning_table
+from engine.data.synth import site_profiles, split_counts
 from engine.io.atomic import write_text_atomic
 from engine.tasks import get_task
 
@@ -275,7 +278,6 @@ def _tuning_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset) ->
     """The learning rate each method ran with, and the validation Dice of every candidate (tuning)."""
     if not preset.lr_grid:
         return []
-    from engine.bench.tuning import chosen_lrs, tuning_table
 
     lines = [f"- Learning rate per method chosen on validation Dice from {list(preset.lr_grid)} "
              f"(same rounds and seed for every candidate):"]
@@ -464,8 +466,6 @@ def _num(d: dict[str, Any], kind: str, key: str, digits: int) -> str:
 
 def _site_size_lines(preset: BenchPreset) -> list[str]:
     """Cases per synthetic site and split (unequal like the paper's Table 1)."""
-    from engine.data.synth import site_profiles, split_counts
-
     lines = ["Synthetic sites (cases per site; training / validation / test cases; prostate cases are volumes "
              "whose slices are the samples):", ""]
     for tp in preset.tasks:
@@ -587,7 +587,6 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
         lines += _analysis_sections(results, preset, tp.task, img, docs)
     for tp in preset.tasks:
         lines += split_section(results, preset, tp.task)
-    from engine.bench.fediod_bench import fediod_section
 
     for tp in preset.tasks:
         section = fediod_section(results, preset, tp.task)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from engine.fl.evaluation import dice_per_case, segment_with
+from engine.inference.predictor import SuperModelPredictor
 from engine.inference.routing import route_fedsm
 from engine.tasks import TaskSpec
 
@@ -52,7 +53,6 @@ def gamma_sweep(task: TaskSpec, bundle: Any, sites: Sequence[tuple[str, Any]], g
     """
     names = ["global", *bundle.metadata.site_names]
     out: dict[str, Any] = {"models": names, "per_model": {}, "gammas": [], "confidence": {}, "argmax": {}}
-    from engine.inference.predictor import SuperModelPredictor
 
     predictor = SuperModelPredictor(bundle, device)
     cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}

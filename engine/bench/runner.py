@@ -19,9 +19,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from engine.bench.bench_simulation import JobContext
 from engine.bench.cache import JobKey, ResultCache
+from engine.bench.jobs import job_settings, load_task_sites, run_job
+from engine.bench.perf import measure_all, perf_settings
 from engine.bench.plan import ALL_TASKS, plan_jobs
 from engine.bench.presets import get_preset, restrict_preset
+from engine.bench.report import write_report
+from engine.bench.tuning import TUNE, chosen_lrs
 from engine.errors import CancelledError
 from engine.io.atomic import write_text_atomic
 
@@ -79,11 +84,6 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     """
     import torch
 
-    from engine.bench.bench_simulation import JobContext
-    from engine.bench.jobs import job_settings, load_task_sites, run_job
-    from engine.bench.perf import measure_all, perf_settings
-    from engine.bench.report import write_report
-
     preset = restrict_preset(get_preset(preset_name), tasks, seeds, main_only, methods, no_analyses, rules_only)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,8 +106,6 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
 
     def chosen_lrs_cached(task: str) -> dict[str, float]:
         """Learning rates chosen on validation so far (read from the cached tuning jobs)."""
-        from engine.bench.tuning import TUNE, chosen_lrs
-
         if not preset.lr_grid:
             return {}
         tp = preset.task(task)

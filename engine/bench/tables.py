@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 
 from engine import catalogue
+from engine.bench.bench_simulation import effective_lam, sweep_lam
 from engine.bench.cache import JobKey
+from engine.bench.plan import lam_label
 
 Results = Mapping[JobKey, dict[str, Any]]
 
@@ -168,9 +170,6 @@ def lam_rows(results: Results, task: str, main_lam: float, sites: int, lam_value
     A lam that equals the main runs' lam (raised to ``1/K``) is read from the main FedSM runs
     with the analysis seeds instead of being trained twice. ``keys`` are the jobs behind a row.
     """
-    from engine.bench.bench_simulation import effective_lam, sweep_lam
-    from engine.bench.plan import lam_label
-
     seeds = set(analysis_seeds)
     main_used = effective_lam(main_lam, sites)
     rows = []

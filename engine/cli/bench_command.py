@@ -18,6 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine import api
+from engine.bench.presets import get_preset
+from engine.cli.common import set_threads, setup_logging
+from engine.cli.main import add_threads_option
+from engine.cli.progress import TerminalProgress
+from engine.errors import ConfigError
+
 #: The repository's documentation folder (``--docs`` writes there).
 DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 
@@ -48,7 +55,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/bench-PRESET)")
     p.add_argument("--fresh", action="store_true", help="ignore cached job results and run everything again")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    from engine.cli.main import add_threads_option
 
     add_threads_option(p, "; recorded in the report")
     p.add_argument("--docs", action="store_true",
@@ -60,8 +66,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _reduction(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.errors import ConfigError
-
     out: dict[str, Any] = {}
     if args.tasks:
         out["tasks"] = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
@@ -83,13 +87,7 @@ def _reduction(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Handler of ``fedsm bench``."""
-    from engine import api
-    from engine.cli.common import set_threads, setup_logging
-    from engine.cli.progress import TerminalProgress
-    from engine.errors import ConfigError
-
     out = args.out or Path("runs") / f"bench-{args.preset}"
-    from engine.bench.presets import get_preset
 
     own_file = get_preset(args.preset).docs_file != "results.md"  # e.g. fediod-cpu -> docs/results-fediod.md
     if args.docs and args.preset not in DOCS_PRESETS and not own_file and not args.force_docs:

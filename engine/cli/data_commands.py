@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import api
+from engine.cli.common import setup_logging
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -100,7 +101,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 def validate_data_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm validate-data``."""
-    from engine.cli.common import setup_logging
     from engine.data.datalist import outside_paths_allowed
 
     setup_logging(args.verbose)

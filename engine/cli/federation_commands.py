@@ -6,12 +6,20 @@ See ``docs/federation.md`` for a walk-through (certificates, enrolment, start, w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from engine.cli.common import set_threads, setup_logging
+from engine.cli.main import add_threads_option
+from engine.errors import ConfigError
+from engine.federation.events import EventWriter
+from engine.federation.flower.app_bundle import build_app_bundle
+from engine.security.run_review import stdin_confirmation
 
 
 class StopFlag:
@@ -65,14 +73,11 @@ def _terminal_listener(event: dict[str, Any]) -> None:
 
 
 def _events(args: argparse.Namespace, source: str, site: str | None, path: Path) -> Any:
-    from engine.federation.events import EventWriter
-
     return EventWriter(source, site, path, stream=sys.stdout if args.json else None,
                        listener=None if args.json else _terminal_listener)
 
 
 def _server(args: argparse.Namespace) -> int:
-    from engine.cli.common import set_threads, setup_logging
     from engine.federation.config import load_federation_config
     from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.server import run_server
@@ -91,9 +96,6 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _site(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from engine.cli.common import set_threads, setup_logging
     from engine.federation.config import load_site_config
     from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.site import run_site
@@ -109,20 +111,14 @@ def _site(args: argparse.Namespace) -> int:
     with _events(args, "site", cfg.name, cfg.work_dir / "events.jsonl") as events:
         confirm = None
         if getattr(args, "confirm_runs", False):
-            from engine.security.run_review import stdin_confirmation
-
             confirm = stdin_confirmation()
         return run_site(cfg, insecure=args.insecure, events=events, once=args.once, validate=not args.no_validate,
                         stop=stop, confirm=confirm)
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from engine.cli.common import setup_logging
-
     setup_logging(args.verbose)
     if args.certs_command == "app-hash":
-        from engine.federation.flower.app_bundle import build_app_bundle
-
         print(build_app_bundle().hash)
         return 0
     from engine.security import certs
@@ -142,8 +138,6 @@ def _certs(args: argparse.Namespace) -> int:
 
 
 def _enroll(args: argparse.Namespace) -> int:
-    from engine.cli.common import setup_logging
-    from engine.errors import ConfigError
     from engine.federation.config import load_federation_config
     from engine.security import enrollment
     from engine.security.certs import key_fingerprint, load_public_key
@@ -173,8 +167,6 @@ def _enroll(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``server``, ``site``, ``certs`` and ``enroll`` to the ``fedsm`` parser."""
-    from engine.cli.main import add_threads_option
-
     p = sub.add_parser("server", help="run the coordinator of a federation (Flower SuperLink + FedSM ServerApp)")
     p.add_argument("--config", type=Path, required=True, help="federation.toml")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in the work folder")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -75,8 +76,6 @@ def _style_gate(text: str) -> float | None:
 
 def parse_options(items: list[str]) -> dict[str, Any]:
     """``["blackfed_client_epochs=4", ...]`` -> ``{"blackfed_client_epochs": 4}`` (numbers parsed as JSON)."""
-    import json
-
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")

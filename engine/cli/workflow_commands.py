@@ -11,7 +11,10 @@ import argparse
 import json
 from pathlib import Path
 
+from engine import api
+from engine.cli.common import set_threads, setup_logging
 from engine.cli.data_commands import add_allow_outside
+from engine.cli.main import add_threads_option
 from engine.errors import ConfigError
 
 
@@ -59,9 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def datalist_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm datalist``."""
-    from engine import api
-    from engine.cli.common import setup_logging
-
     setup_logging(args.verbose)
     result = api.build_datalist(args.images, args.masks, args.out, task=args.task, convention=args.convention,
                                 name=args.name, split=args.split, seed=args.seed, mask_suffix=args.mask_suffix,
@@ -104,7 +104,6 @@ def register_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the full report here")
     add_allow_outside(p)
-    from engine.cli.main import add_threads_option
 
     add_threads_option(p)
     p.set_defaults(handler=evaluate_command)
@@ -112,8 +111,6 @@ def register_evaluate(sub: argparse._SubParsersAction) -> None:
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm evaluate``."""
-    from engine import api
-    from engine.cli.common import set_threads, setup_logging
     from engine.data.datalist import outside_paths_allowed
     from engine.inference.evaluate import format_evaluation
 
