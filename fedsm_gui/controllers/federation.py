@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -129,7 +130,6 @@ def update_toml_keys(text: str, values: dict[tuple[str, str], str | None]) -> st
     table that does not exist yet is appended. The result is parsed again and must hold exactly
     the requested values, else :class:`ValueError` (edit the file by hand then).
     """
-    import re
     import tomllib
 
     lines = text.splitlines()

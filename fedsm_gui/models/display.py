@@ -20,6 +20,7 @@ Photos are shown in file order (row 0 at the top) without markers.
 
 from __future__ import annotations
 
+import colorsys
 from collections.abc import Mapping
 
 import numpy as np
@@ -63,7 +64,6 @@ def default_colour(label: int) -> tuple[int, int, int]:
     n = int(label)
     if 1 <= n <= len(DEFAULT_COLOURS):
         return DEFAULT_COLOURS[n - 1]
-    import colorsys
 
     k = n - len(DEFAULT_COLOURS)
     hue = (k * 0.381966) % 1.0  # golden angle: each new hue falls in the largest gap so far

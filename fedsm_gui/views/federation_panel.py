@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 from fedsm_gui.models.federation import MAX_LOG_LINES, describe_contents, format_bytes
 from fedsm_gui.views.elided_label import ElidedLabel
 from fedsm_gui.views.plot import RoundPlot
+from fedsm_gui.views.run_settings_dialog import RunSettingsDialog
 
 #: Form fields: (attribute, label, browse filter or None).
 _FIELDS = (
@@ -279,8 +280,6 @@ class FederationPanel(QWidget):
 
     def ask_run_confirmation(self, summary: str, rows: Sequence[dict[str, Any]]) -> None:
         """Open the run's settings for Accept / Decline (window-modal, so the app keeps running)."""
-        from fedsm_gui.views.run_settings_dialog import RunSettingsDialog
-
         if self.run_dialog is not None:  # superseded: closed without answering for the new run
             self.run_dialog.finished.disconnect()
             self.run_dialog.close()

@@ -25,6 +25,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from fedsm_gui import __version__
 from fedsm_gui.views.federation_panel import FederationPanel
 from fedsm_gui.views.overlay_panel import OverlayPanel
 from fedsm_gui.views.segmentation_panel import SegmentationPanel
@@ -241,8 +242,6 @@ class MainWindow(QMainWindow):
 
     def show_about(self) -> None:
         """Version, the loaded super model's provenance, and the research-use notice."""
-        from fedsm_gui import __version__
-
         bundle = self.segmentation_panel.provenance_html()
         html = (f"<h3>FedSM {__version__}</h3><p>Cross-silo federated medical image segmentation with FedSM "
                 "super models (Xu et al., CVPR 2022).</p>"

@@ -66,7 +66,6 @@ if TYPE_CHECKING:
     from flwr.app import Message, RecordDict
     from flwr.serverapp import Grid
 
-    from engine.fl.exchange import ExchangeMethod, Reply, Request
     from engine.fl.methods import WeightSet
 
 log = logging.getLogger(__name__)
