@@ -21,7 +21,7 @@ from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
 from engine.fl.style_gate import gate_nearest, route_by_style
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
-from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
+from engine.inference.routing import confidence, route_fedsm, route_fedsm_extra, routing_gamma
 from engine.models import build_segmentation_net, build_selector
 
 ProgressCallback = Callable[[int, int], None]
@@ -271,7 +271,7 @@ class SuperModelPredictor:
                 f"got {force_model!r}"
             )
         meta = self.metadata
-        threshold = meta.gamma if gamma is None else check_gamma(gamma)
+        threshold = routing_gamma(meta.gamma, gamma)
         n, _, height, width = arr.shape
         total = 2 * n
         done = 0

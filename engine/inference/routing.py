@@ -35,6 +35,15 @@ def check_gamma(gamma: object) -> float:
     return value
 
 
+def routing_gamma(bundle_gamma: float, gamma: object = None) -> float:
+    """The gamma a run routes with: ``gamma`` when the user gave one (checked), else the bundle's.
+
+    The one place the default is resolved: the predictor, a study's segmentation and a file run's record
+    all call this.
+    """
+    return float(bundle_gamma) if gamma is None else check_gamma(gamma)
+
+
 def confidence(probs: np.ndarray) -> np.ndarray:
     """Selector confidence per image: the largest probability, shape ``(N,)``.
 

@@ -20,6 +20,7 @@ from typing import Any
 import engine
 from engine.errors import ConfigError, DataError
 from engine.inference.predictor import CancelCheck, ProgressCallback
+from engine.inference.routing import routing_gamma
 from engine.inference.screening import screen_inputs, task_warnings
 from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
@@ -311,7 +312,7 @@ def infer_path(
         "task": meta.task,
         "method": meta.method,
         "routing": meta.routing,
-        "gamma": (meta.gamma if gamma is None else float(gamma)) if meta.routing == "gamma" else None,
+        "gamma": routing_gamma(meta.gamma, gamma) if meta.routing == "gamma" else None,
         "forced_model": force_model,
         "device": str(loaded.predictor.device),
         "mixed_precision": loaded.predictor.use_amp,

@@ -35,7 +35,7 @@ from engine.device import resolve_device
 from engine.errors import ConfigError, DataError
 from engine.inference.postprocess import clean_fundus_masks
 from engine.inference.predictor import CancelCheck, Prediction, ProgressCallback, SuperModelPredictor
-from engine.inference.routing import check_gamma
+from engine.inference.routing import check_gamma, routing_gamma
 from engine.inference.split_predictor import SplitPredictor
 from engine.io.provenance import ImageRecord, Provenance, utc_now
 from engine.io.study import LabelMap, Study
@@ -312,7 +312,7 @@ def segment_with(
     check_study_fits(study, task, f"the bundle {loaded.name}")
     model_names = list(meta.model_names)
     forced = _force_index(force_model, model_names)
-    used_gamma = (meta.gamma if gamma is None else check_gamma(gamma)) if meta.routing == "gamma" else None
+    used_gamma = routing_gamma(meta.gamma, gamma) if meta.routing == "gamma" else None
     if gamma is not None and meta.routing != "gamma":
         check_gamma(gamma)  # still refuse nonsense, even where argmax routing ignores it
 

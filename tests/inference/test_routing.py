@@ -83,3 +83,13 @@ def test_fedsm_extra_needs_global_plus_one_site() -> None:
 def test_integer_probabilities_are_refused() -> None:
     with pytest.raises(ConfigError, match="floating"):
         route_fedsm(np.array([[1, 0]]), 0.5)
+
+
+def test_routing_gamma_is_the_users_when_given_else_the_bundles():
+    from engine.inference.routing import routing_gamma
+
+    assert routing_gamma(0.6) == routing_gamma(0.6, None) == 0.6
+    assert routing_gamma(0.6, 0.9) == 0.9 and routing_gamma(0.6, 0) == 0.0
+    for bad in (1.5, -0.1, float("nan"), True, "0.5"):
+        with pytest.raises(ConfigError, match="gamma must be"):
+            routing_gamma(0.6, bad)
