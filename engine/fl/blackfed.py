@@ -67,6 +67,10 @@ if TYPE_CHECKING:
     from engine.tasks import TaskSpec
 
 CLIENT_KEY = "blackfed_client"
+#: Largest |activation| a client net's reply may hold. The client net is two 3x3 convolutions of images in
+#: [0, 1] (:class:`engine.fl.blackfed_nets.ClientNet`): honest values stay orders of magnitude below this,
+#: while a reply of 1e30s would overflow the server net's loss without being NaN or Inf on the wire.
+MAX_ACTIVATION_ABS = 1e6
 TURN_KEY = "_blackfed_turn"
 
 
@@ -289,6 +293,10 @@ class BlackFed(ExchangeMethod):
                                f"batch_size {self.config.batch_size} and image_size {size}")
         if bool((masks > 1).any()):
             raise WeightsError(f"{site}: masks must be 0/1")
+        largest = float(acts.abs().max()) if acts.numel() else 0.0
+        if largest > MAX_ACTIVATION_ABS:
+            raise WeightsError(f"{site}: activations up to {largest:.3g} exceed {MAX_ACTIVATION_ABS:g}; a client net "
+                               "of this run cannot produce them (modified or broken site software)")
         if reply.num_samples < 1:
             raise WeightsError(f"{site} reports {reply.num_samples} training images")
 

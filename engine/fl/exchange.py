@@ -25,6 +25,7 @@ anything undeclared in either direction.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
@@ -146,7 +147,8 @@ class ExchangeMethod(ABC):
         _check_names(request.tensors, self.REQUEST_CONTENTS, f"request {request.action!r}")
 
     def validate_reply(self, request: Request, site: str, reply: Reply) -> None:
-        """Refuse a reply with undeclared tensors or NaN/Inf (server side, before the dialogue sees it).
+        """Refuse a reply with undeclared tensors, NaN/Inf in a tensor or a metric (server side, before the
+        dialogue sees it). An honest site leaves a non-finite metric out of its reply.
 
         Methods extend this with the shapes they expect for ``request``.
         """
@@ -154,6 +156,10 @@ class ExchangeMethod(ABC):
         for name, tensor in reply.tensors.items():
             if tensor.dtype.is_floating_point and not all_finite(tensor):
                 raise WeightsError(f"reply of {site} to {request.action!r}: {name} contains NaN or Inf")
+        for key, value in reply.metrics.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise WeightsError(f"reply of {site} to {request.action!r}: metric {key!r} is {value!r}, not a "
+                                   "finite number; the site's software may be modified or broken")
         if reply.num_samples < 0:
             raise WeightsError(f"reply of {site} reports {reply.num_samples} samples")
 

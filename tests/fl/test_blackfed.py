@@ -169,6 +169,15 @@ def test_bad_replies_and_settings_are_refused():
         method.validate_reply(Request("client_probe"), "a", Reply({"activations": acts, "masks": masks}, {}, 5))
     with pytest.raises(WeightsError, match="undeclared"):
         method.validate_reply(Request("server_batch"), "a", Reply({"weights": acts}, {}, 5))
+    # finite but absurd activations, and a NaN or non-numeric metric: refused with the reason
+    huge = torch.full_like(acts, 1e30)
+    with pytest.raises(WeightsError, match="activations up to 1e\\+30 exceed"):
+        method.validate_reply(Request("server_batch"), "a", Reply({"activations": huge, "masks": masks}, {}, 5))
+    for metric in (float("nan"), float("inf"), "0.5", True):
+        with pytest.raises(WeightsError, match=r"metric 'loss' is .*not a finite number"):
+            method.validate_reply(Request("server_batch"), "a",
+                                  Reply({"activations": acts, "masks": masks}, {"loss": metric}, 5))
+    method.validate_reply(Request("server_batch"), "a", Reply({"activations": acts, "masks": masks}, {"loss": 0.3}, 5))
     with pytest.raises(ConfigError, match="variant"):
         BlackFed(FUNDUS, ["a"], variant="v3")
     with pytest.raises(ConfigError, match="server_epochs"):
