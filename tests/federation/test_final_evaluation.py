@@ -17,9 +17,9 @@ from engine.bundle import read_metadata
 from engine.data.site_data import load_site
 from engine.errors import WeightsError
 from engine.federation.events import EventWriter
-from engine.federation.flower.final_evaluation import decode_evaluation, evaluate_final
+from engine.federation.flower.final_evaluation import decode_evaluation
 from engine.federation.flower.server import write_results
-from engine.federation.flower.server_app import FederationRunner, RegisteredSites, RoundSettings
+from engine.federation.flower.server_app import FederationRunner, RegisteredSites, RoundSettings, evaluate_final
 from engine.federation.spec import MethodSpec, build_method
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.tasks import get_task

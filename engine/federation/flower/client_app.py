@@ -31,13 +31,12 @@ from engine.errors import CancelledError, ConfigError, DataError, WeightsError
 from engine.federation.checkpoint import load_site_state_before, save_site_state
 from engine.federation.events import EventWriter, PendingReport
 from engine.federation.flower import records
-from engine.federation.flower.final_evaluation import evaluate_at_site
 from engine.federation.spec import MethodSpec, build_method
 from engine.security.approval import AppNotApproved
 from engine.tasks import get_task
 
 if TYPE_CHECKING:
-    from flwr.app import Context, Message
+    from flwr.app import Context, Message, RecordDict
     from flwr.clientapp import ClientApp
 
     from engine.data.site_data import SiteData
@@ -242,6 +241,43 @@ def build_client_app(worker: SiteWorker) -> ClientApp:
         return Message(worker.query(msg.content), reply_to=msg)
 
     return app
+
+
+def evaluate_at_site(worker: SiteWorker, content: RecordDict) -> RecordDict:
+    """The site half: Dice of the received final models on the site's validation and testing sections."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    from engine.fl.evaluation import dice_per_case, segment_with
+
+    ins = records.decode_instructions(content)
+    if ins.site != worker.cfg.name:
+        raise ConfigError(f"the coordinator addressed this evaluation to site {ins.site!r}, but this is "
+                          f"{worker.cfg.name!r}")
+    method, spec = worker.method(ins.spec_json)
+    values: dict[str, float] = {}
+    if worker.validate:
+        data = worker.data(spec.task, spec.image_size, spec.fundus_crop)
+        names = {"global": "global", "personal": "personalized"}
+        labels = list(method.task.label_names)
+        for split_name, split in (("validation", data.validation), ("testing", data.test)):
+            if not len(split.images):
+                continue
+            for key, weights in ins.instructions.weights.items():
+                masks = segment_with(method.task, weights, split.images, worker.cfg.device)
+                dice = dice_per_case(masks, split.masks, split.case_ids)
+                model = names.get(key, key)
+                values[f"{split_name}/{model}"] = float(np.mean(dice))
+                for i, label in enumerate(labels):
+                    values[f"{split_name}/{model}/{label}"] = float(np.mean(dice[:, i]))
+        def means(split: str) -> dict[str, float]:
+            return {k.split("/")[1]: round(v, 4) for k, v in values.items() if k.startswith(split + "/")
+                    and k.count("/") == 1}
+
+        worker.events.emit("metrics", round=ins.rounds, loss={}, dice=means("validation"),
+                           test_dice=means("testing"), final=True)
+    # the same two settings every reply carries (site, round): a site's answers have one shape
+    return RecordDict({records.INFO: ConfigRecord({"site": worker.cfg.name, "round": int(ins.rounds)}),
+                       records.METRICS: MetricRecord(values)})
 
 
 __all__ = ["SiteWorker", "build_client_app", "shareable_reason"]

@@ -27,12 +27,12 @@ from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.federation.checkpoint import KEEP_CHECKPOINTS, Checkpoint
 from engine.federation.events import EventWriter
 from engine.federation.flower import records
-from engine.federation.flower.final_evaluation import evaluate_final
+from engine.federation.flower.final_evaluation import ACTION, decode_evaluation, site_weights
 from engine.federation.flower.grid_exchange import QUERY, TRAIN, exchange
 from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 
 if TYPE_CHECKING:
-    from flwr.app import Context, Message
+    from flwr.app import Context, Message, RecordDict
     from flwr.serverapp import Grid, ServerApp
 
     from engine.federation.spec import MethodSpec
@@ -409,6 +409,54 @@ class CheckpointWriter:
         for future in self._pending:
             if future.exception() is not None and exc[0] is None:
                 raise future.exception()
+
+
+def evaluate_request(runner: FederationRunner, state: WeightSet, site: str) -> RecordDict:
+    """The content of the ``evaluate`` query for ``site``."""
+    from engine.fl.methods import SiteInstructions
+
+    total = runner.method.total_rounds
+    content = records.encode_instructions(SiteInstructions(total, site_weights(state, site), {"phase": ACTION}),
+                                          rounds=total, method=runner.method.name, spec_json=runner.spec_json,
+                                          session=runner.session, site=site)
+    content.config_records[records.INFO]["action"] = ACTION
+    return content
+
+
+def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> dict[str, dict[str, dict[str, float]]]:
+    """Ask every connected site for the final models' Dice; return ``{site: {split: {model: Dice}}}``.
+
+    Sites that are offline, do not answer within ``round_timeout`` or answer badly are left out
+    (an ``error`` event says why); the run's result does not depend on them.
+    """
+    from flwr.app import Message
+
+    if "global" not in state or runner.method.name == "local":
+        return {}  # dialogue methods and local training: no shared final model to send
+    online = runner.online_sites(grid)
+    messages = {site: Message(evaluate_request(runner, state, site), dst_node_id=node, message_type=QUERY,
+                              ttl=runner.settings.round_timeout)
+                for site, node in online.items() if site in runner.sites}
+    if not messages:
+        return {}
+    runner.events.status(f"final evaluation at {len(messages)} site(s): validation and testing Dice of the final "
+                         "models")
+    results: dict[str, dict[str, dict[str, float]]] = {}
+
+    def on_reply(site: str, reply: Message) -> None:
+        if reply.has_error():
+            runner.events.error(f"final evaluation failed at the site: {reply.error.reason}", site=site)
+            return
+        try:
+            results[site] = decode_evaluation(reply.content, site)
+        except WeightsError as exc:
+            runner.events.error(str(exc), site=site)
+
+    _, missing = exchange(grid, messages, runner.settings.round_timeout, runner.settings.poll_interval,
+                          runner._check_cancel_flag, on_reply)
+    for site, reason in missing.items():
+        runner.events.error(f"no final evaluation: {reason}", site=site)
+    return {site: results[site] for site in runner.sites if site in results}
 
 
 def build_server_app(runner: FederationRunner, resume: Checkpoint | None, result: dict[str, Any]) -> ServerApp:
