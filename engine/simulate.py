@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from engine import catalogue
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.bundle.split import SplitBundle, save_split_bundle
-from engine.catalogue import DEFAULT_LAM, build_method, extra_rounds_default, method, method_names
+from engine.catalogue import DEFAULT_LAM, build_method, extra_rounds_default, method_names
 from engine.data.disc_crop import check_mode
 from engine.data.site_data import SplitArrays, load_site
 from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
@@ -284,7 +285,7 @@ class Simulation:
 
     # --- methods -------------------------------------------------------------------------
     def _build_method(self, name: str) -> Any:
-        training = self.cfg.training(per_batch_selector=method(name).per_batch_selector)
+        training = self.cfg.training(per_batch_selector=catalogue.method(name).per_batch_selector)
         return build_method(name, self.task, [s.name for s in self.sites], training, self.cfg.seed, self.cfg.rounds,
                             self.cfg)
 
@@ -292,16 +293,16 @@ class Simulation:
         """Train and evaluate one method."""
         from engine.federation.inprocess import run_rounds
         from engine.fl.evaluation import segment_with
-        from engine.fl.methods import FedAvg, FedSM
+        from engine.fl.methods import FedSM
 
         if name in EXCHANGE_METHODS:
             return self.run_exchange_method(name)
         start = time.perf_counter()
         training = self.cfg.training()
         extra: dict[str, Any] = {}
-        if name == "centralized":
-            method = FedAvg(self.task, ["pooled"], training, self.cfg.seed, self.cfg.rounds)
-            method.name = "centralized"  # type: ignore[misc]
+        if catalogue.method(name).pooled:  # Centralized: the method trained on every site's data as one site
+            method = build_method(name, self.task, ["pooled"], training, self.cfg.seed, self.cfg.rounds, self.cfg)
+            method.name = name  # type: ignore[misc]
             pooled_runtime = self._pooled_runtime()
             self._attach_round_hook(method, [pooled_runtime])
             keeper = self._attach_best_round(method, [pooled_runtime])

@@ -285,8 +285,9 @@ class BundleMetadata:
             raise ConfigError(f"site_names has duplicates: {self.site_names}; give every site its own name")
         method_routing = routing_of_method(self.method)
         if method_routing is None:
-            known = [m for m in (*catalogue.method_names(), *SINGLE_MODEL_DIALOGUE_METHODS) if routing_of_method(m)]
-            raise ConfigError(f"method must be one of {tuple(known)}, got {self.method!r}")
+            bundled = (m for m in catalogue.method_names() if catalogue.bundle_routing(m))
+            known = (*bundled, *SINGLE_MODEL_DIALOGUE_METHODS)
+            raise ConfigError(f"method must be one of {known}, got {self.method!r}")
         if self.routing not in ROUTINGS:
             raise ConfigError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         if method_routing != self.routing:
