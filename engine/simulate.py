@@ -300,7 +300,9 @@ class Simulation:
         start = time.perf_counter()
         training = self.cfg.training()
         extra: dict[str, Any] = {}
-        if catalogue.method(name).pooled:  # Centralized: the method trained on every site's data as one site
+        # Centralized: the method trained on every site's data as one site (benchmark variants such as
+        # fedsm-apfl are not catalogue names; their Simulation subclass builds them)
+        if name in catalogue.method_names() and catalogue.method(name).pooled:
             method = build_method(name, self.task, ["pooled"], training, self.cfg.seed, self.cfg.rounds, self.cfg)
             method.name = name  # type: ignore[misc]
             pooled_runtime = self._pooled_runtime()
