@@ -131,7 +131,9 @@ def build_method(name: str, task: Any, site_names: list[str], training: Any, see
     entry = method(name)
     module, _, attr = entry.factory.partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    return cls.from_settings(task, site_names, training, seed, rounds, settings)
+    # how its weights travel is a run setting of every weight method, the same at both ends
+    return cls.from_settings(task, site_names, training, seed, rounds, settings).use_wire_precision(
+        settings.wire_precision)
 
 
 #: SoftPull lam per task when none is given (the paper's best values).

@@ -105,10 +105,16 @@ class SimulationConfig:
     #: How FedSM trains its personalized models (:mod:`engine.fl.personalization`): ``"softpull"``
     #: (the paper's), ``"finetune"``, ``"apfl"``, ``"perfedavg"`` or ``"pfedme"``.
     personalization: str = "softpull"
+    #: How networks and optimizer moments travel each round (:mod:`engine.fl.wire_precision`):
+    #: ``"bfloat16"`` (values down, differences up, float32 masters at both ends) or ``"float32"``.
+    wire_precision: str = "bfloat16"
 
     def __post_init__(self) -> None:
         get_task(self.task)
         check_mode(self.fundus_crop)
+        from engine.fl.wire_precision import check_wire_precision
+
+        self.wire_precision = check_wire_precision(self.wire_precision)
         if self.datalists:
             self.datalists = tuple(str(p) for p in self.datalists)
             self.sites = len(self.datalists)

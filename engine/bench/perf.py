@@ -247,10 +247,12 @@ def measure_routed_inference(size: int, selector_size: int, device_name: str = "
 # 3. traffic
 # --------------------------------------------------------------------------------------------
 def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
-    """Bytes per site per round from the methods' real payloads (fundus U-Net, pooled selector head)."""
+    """Bytes per site per round from the methods' real payloads as they travel (fundus U-Net, pooled
+    selector head, the default selector width and wire precision: :mod:`engine.fl.wire_precision`)."""
     from engine.federation.inprocess import weightset_bytes
     from engine.fl.local_training import LocalTrainingConfig
     from engine.fl.methods import OPTIM_PART, FedAvg, FedSM, FedSMExtra
+    from engine.fl.wire_precision import encode_down, encode_up
     from engine.models.selector import head_parameter_count
 
     names = [f"site{k + 1}" for k in range(sites)]
@@ -258,17 +260,24 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
     fedavg = FedAvg(FUNDUS, names, cfg, 0, 1)
     fedsm = FedSM(FUNDUS, names, cfg, 0, 1, lam=0.7)
     extra = FedSMExtra(FUNDUS, names, cfg, 0, 1, lam=0.7, extra_rounds=1)
-    avg_down = weightset_bytes(fedavg.site_instructions(fedavg.initial_state(), 1, names[0]).weights)
+
+    def down(method: Any, state: Any, rnd: int) -> int:
+        return weightset_bytes(encode_down(method.site_instructions(state, rnd, names[0]).weights,
+                                           method.wire_parts(rnd)))
+
+    avg_down = down(fedavg, fedavg.initial_state(), 1)
     state = fedsm.initial_state()
-    sm_down = weightset_bytes(fedsm.site_instructions(state, 1, names[0]).weights)
-    # the update carries the same three networks back (shapes checked by validate_update)
-    sm_up = weightset_bytes(fedsm.expected_update_shapes(state, names[0]))
-    head_delta = 4 * (head_parameter_count("classic", sites) - head_parameter_count("gap", sites))
+    sm_down = down(fedsm, state, 1)
+    wire = fedsm.wire_parts(1)
+    # the update carries the same three networks back (shapes checked by validate_update), as differences
+    expected = fedsm.expected_update_shapes(state, names[0])
+    sm_up = weightset_bytes(encode_up(expected, expected, wire))
+    value_bytes = 2 if wire else 4
+    head_delta = value_bytes * (head_parameter_count("classic", sites) - head_parameter_count("gap", sites))
     # the reference-trained selector travels with its two Adam moments, each the size of its parameters
     moments = 2 if OPTIM_PART in state else 0
     classic = sm_down + head_delta * (1 + moments)
-    extra_state = extra.initial_state()
-    extra_sel_down = weightset_bytes(extra.site_instructions(extra_state, 2, names[0]).weights)
+    sent = encode_down(state, wire)
     return {
         "sites": sites,
         "fedavg_bytes_each_way": avg_down,
@@ -277,11 +286,14 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
         "fedsm_over_fedavg": sm_down / avg_down,
         "fedsm_classic_head_bytes_each_way": classic,
         "gap_over_classic": sm_down / classic,
-        "selector_gap_bytes": weightset_bytes({"s": state["selector"]}),
-        "selector_optimizer_bytes": weightset_bytes({"o": state[OPTIM_PART]}) if moments else 0,
-        "selector_classic_bytes": weightset_bytes({"s": state["selector"]}) + head_delta,
-        "fedsm_extra_selector_round_bytes_down": extra_sel_down,
-        "note": "raw float32 tensor bytes, no framing or compression; the same numbers every run",
+        "selector_gap_bytes": weightset_bytes({"s": sent["selector"]}),
+        "selector_optimizer_bytes": weightset_bytes({"o": sent[OPTIM_PART]}) if moments else 0,
+        "selector_classic_bytes": weightset_bytes({"s": sent["selector"]}) + head_delta,
+        "fedsm_extra_selector_round_bytes_down": down(extra, extra.initial_state(), 2),
+        "wire_precision": fedsm.wire_precision,
+        "selector_width": cfg.selector_width,
+        "note": "raw tensor bytes of a training round as they travel (no framing or compression); the same "
+                "numbers every run",
     }
 
 

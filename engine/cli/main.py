@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "pulled towards the other sites' models every round), apfl (a private model mixed with "
                         "the global one), finetune (the final global model fine-tuned at the site), perfedavg "
                         "or pfedme; every rule routes through the same selector, style gate and routing guard")
+    p.add_argument("--wire-precision", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="how networks and optimizer moments travel each round: bfloat16 (default: half the "
+                        "bytes; values down, differences up, float32 masters at both ends) or float32")
     p.add_argument("--slices", type=int, default=None,
                    help="axial slices per synthetic prostate volume (default: the generator's)")
     p.add_argument("--holdout-site", default=None, metavar="NAME",
@@ -275,7 +278,7 @@ def _run(args: argparse.Namespace) -> int:
                     selector_epochs=args.selector_epochs, selector_bn=args.selector_bn,
                     routing_guard=args.routing_guard, style_gate=args.style_gate,
                     site_routing=args.site_routing, personalization=args.personalization,
-                    holdout_site=args.holdout_site, slices=args.slices,
+                    wire_precision=args.wire_precision, holdout_site=args.holdout_site, slices=args.slices,
                     device=args.device, data_dir=data_dir, datalists=datalists, fundus_crop=args.fundus_crop,
                     options=parse_options(args.options))
         finally:

@@ -88,16 +88,19 @@ class ObservedSite:
 
     def site_instructions(self, state: Any, rnd: int, site: str) -> Any:
         from engine.federation.inprocess import weightset_bytes
+        from engine.fl.wire_precision import encode_down
 
         instructions = self._method.site_instructions(state, rnd, site)
         if site == self._site.name:
+            sent = encode_down(instructions.weights, self._method.wire_parts(rnd))
             self._emit({"event": "received", "round": rnd, "rounds": self._method.total_rounds,
-                        "method": self._method.name, "bytes": weightset_bytes(instructions.weights),
+                        "method": self._method.name, "bytes": weightset_bytes(sent),
                         "contents": _tensor_counts(instructions.weights)})
         return instructions
 
     def train_at_site(self, instructions: Any, site: Any, progress: Any = None, cancel: Any = None) -> Any:
         from engine.federation.inprocess import weightset_bytes
+        from engine.fl.wire_precision import encode_up
 
         if site.name != self._site.name:
             return self._method.train_at_site(instructions, site, None, cancel)
@@ -114,7 +117,8 @@ class ObservedSite:
         dice = self._evaluate(instructions.weights, update)
         if losses or dice:
             self._emit({"event": "metrics", "round": rnd, "loss": losses, "dice": dice})
-        self._emit({"event": "sent", "round": rnd, "bytes": weightset_bytes(update.weights),
+        reply = encode_up(update.weights, instructions.weights, self._method.wire_parts(rnd))
+        self._emit({"event": "sent", "round": rnd, "bytes": weightset_bytes(reply),
                     "contents": {"tensors": _tensor_counts(update.weights), "num_examples": update.num_samples,
                                  "metrics": sorted(update.metrics)}})
         return update

@@ -18,8 +18,9 @@ from typing import Any
 
 from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.fl.exchange import ExchangeMethod, Failure, Reply, tensor_bytes
-from engine.fl.methods import FederatedMethod, SiteRuntime, SiteUpdate, WeightSet
+from engine.fl.methods import FederatedMethod, SiteInstructions, SiteRuntime, SiteUpdate, WeightSet
 from engine.fl.weights import payload_bytes
+from engine.fl.wire_precision import DownCache, decode_down, decode_up, encode_down, encode_up
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +85,20 @@ def run_rounds(
         to_site: dict[str, int] = {}
         from_site: dict[str, int] = {}
         train_s: dict[str, float] = {}
+        wire, encoded = method.wire_parts(rnd), DownCache()
         for site in sites:
             instructions = method.site_instructions(state, rnd, site.name)
-            to_site[site.name] = weightset_bytes(instructions.weights)
+            # what a network site receives and sends back (engine.fl.wire_precision), bit for bit
+            sent = encode_down(instructions.weights, wire, encoded)
+            to_site[site.name] = weightset_bytes(sent)
+            received = SiteInstructions(rnd, decode_down(sent, wire), instructions.config)
             t0 = time.perf_counter()
             try:
-                update = method.train_at_site(instructions, site, progress, cancel)
+                update = method.train_at_site(received, site, progress, cancel)
+                reply = encode_up(update.weights, received.weights, wire)
+                reply_bytes = weightset_bytes(reply)
+                update = SiteUpdate(decode_up(reply, instructions.weights, wire, f"update from {site.name}"),
+                                    update.num_samples, update.metrics)
                 method.validate_update(state, site.name, update)
             except CancelledError:
                 raise
@@ -101,7 +110,7 @@ def run_rounds(
                               "message": str(exc)})
                 continue
             train_s[site.name] = time.perf_counter() - t0
-            from_site[site.name] = weightset_bytes(update.weights)
+            from_site[site.name] = reply_bytes
             updates[site.name] = update
         if len(updates) >= max(min_sites, 1):
             state = method.aggregate(state, rnd, updates)

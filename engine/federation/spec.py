@@ -70,6 +70,8 @@ class MethodSpec:
     #: How FedSM trains its personalized models: ``"softpull"`` (the paper's), ``"finetune"``,
     #: ``"apfl"``, ``"perfedavg"`` or ``"pfedme"`` (engine.fl.personalization)
     personalization: str = "softpull"
+    #: How networks and optimizer moments travel (:mod:`engine.fl.wire_precision`): ``"bfloat16"`` or ``"float32"``
+    wire_precision: str = "bfloat16"
     #: Settings of a dialogue method, keyed ``<family>_<name>`` (``blackfed_client_epochs``); in
     #: ``[training]`` they are written as top-level keys with that prefix.
     options: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +110,9 @@ class MethodSpec:
         from engine.fl.personalization import check_personalization
 
         check_personalization(self.personalization)
+        from engine.fl.wire_precision import check_wire_precision
+
+        check_wire_precision(self.wire_precision)
         if self.personalization != "softpull" and self.method != "fedsm":
             raise ConfigError(f"personalization = {self.personalization!r} is a FedSM setting; use method = "
                               f"\"fedsm\" or drop it (method {self.method!r} trains no personalized models that way)")

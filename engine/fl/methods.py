@@ -94,6 +94,7 @@ from engine.fl.style_gate import (
     threshold_from_histograms,
 )
 from engine.fl.weights import Weights, all_finite, check_compatible, model_weights, subtract
+from engine.fl.wire_precision import DEFAULT_WIRE_PRECISION, check_wire_precision
 from engine.models import build_segmentation_net, build_selector
 from engine.models.style_gate_format import check_quantile
 from engine.tasks import TaskSpec
@@ -176,6 +177,12 @@ class FederatedMethod(ABC):
     """
 
     name: ClassVar[str]
+    #: Payload parts that hold networks or optimizer moments: with ``wire_precision="bfloat16"`` their
+    #: float32 tensors travel in 16 bits (:mod:`engine.fl.wire_precision`); every other part as it is.
+    WIRE_PARTS: ClassVar[frozenset[str]] = frozenset({"global", "personal", "selector", "shared", OPTIM_PART})
+    #: How :attr:`WIRE_PARTS` travel (:data:`engine.fl.wire_precision.WIRE_PRECISIONS`); set by
+    #: :meth:`use_wire_precision` from the run's settings, the same at the coordinator and the sites.
+    wire_precision: str = DEFAULT_WIRE_PRECISION
 
     @classmethod
     def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
@@ -204,6 +211,15 @@ class FederatedMethod(ABC):
     def total_rounds(self) -> int:
         """Communication rounds the method runs (training rounds plus any extra phases)."""
         return self.rounds
+
+    def use_wire_precision(self, precision: str) -> FederatedMethod:
+        """Send :attr:`WIRE_PARTS` in ``precision`` (``"bfloat16"`` or ``"float32"``); returns ``self``."""
+        self.wire_precision = check_wire_precision(precision)
+        return self
+
+    def wire_parts(self, rnd: int) -> frozenset[str]:
+        """The parts whose float32 tensors travel in 16 bits in round ``rnd`` (none with ``float32``)."""
+        return self.WIRE_PARTS if self.wire_precision == "bfloat16" else frozenset()
 
     # --- helpers ---------------------------------------------------------------------------
     def _initial_segmentation(self) -> Weights:
@@ -379,6 +395,8 @@ class LocalOnly(FederatedMethod):
     """Each site trains alone; nothing is exchanged (baseline). The server keeps no model."""
 
     name = "local"
+    #: the common initialisation a site starts from travels exactly (nothing comes back)
+    WIRE_PARTS = frozenset()
 
     def initial_state(self) -> WeightSet:
         init = self._initial_segmentation()
@@ -513,6 +531,10 @@ class FedSM(FederatedMethod):
         self.gamma_pass = None if gamma_pass is None else check_pass_fraction(gamma_pass)
         self.style_quantile = None if style_gate is None else check_quantile(style_gate)
         self.site_routing = check_site_routing(site_routing, self.style_quantile)
+
+    def wire_parts(self, rnd: int) -> frozenset[str]:
+        """None in the last round: the sites score, and calibrate on, exactly the models the bundle keeps."""
+        return frozenset() if self.phase(rnd) == "calibrate" else super().wire_parts(rnd)
 
     @property
     def compares_routings(self) -> bool:
@@ -954,6 +976,11 @@ class FedSMExtra(FedSM):
         if rnd == self.total_rounds:
             return "calibrate"
         return "selector" if rnd > self.rounds else "train"
+
+    def wire_parts(self, rnd: int) -> frozenset[str]:
+        """FedSM's, and every site's personalized model that the selector rounds send for labelling."""
+        parts = super().wire_parts(rnd)
+        return parts | {f"personal/{s}" for s in self.site_names} if parts else parts
 
     def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
         phase = self.phase(rnd)

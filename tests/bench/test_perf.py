@@ -9,20 +9,27 @@ from engine.bench.perf import _memory_child, measure_traffic
 
 def test_traffic_counts_the_three_networks():
     from engine.fl.weights import model_weights, payload_bytes
+    from engine.fl.wire_precision import encode_down
     from engine.models import build_segmentation_net, build_selector
     from engine.models.selector import head_parameter_count
 
+    def on_wire(model):  # float32 tensors travel in 16 bits, integer buffers as they are
+        return payload_bytes(encode_down({"p": model_weights(model)}, {"p"})["p"])
+
     t = measure_traffic(sites=6)
-    unet = payload_bytes(model_weights(build_segmentation_net(3, 2)))
-    selector = payload_bytes(model_weights(build_selector(3, 6)))
+    assert t["wire_precision"] == "bfloat16"
+    unet = on_wire(build_segmentation_net(3, 2))
+    assert unet < 0.51 * payload_bytes(model_weights(build_segmentation_net(3, 2)))
+    selector = on_wire(build_selector(3, 6, width=t["selector_width"]))
     assert t["fedavg_bytes_each_way"] == unet
     # the reference-trained selector travels with its Adam moments (two per parameter)
     moments = t["selector_optimizer_bytes"]
     assert moments > 0
     assert t["fedsm_bytes_each_way"] == t["fedsm_bytes_up"] == 2 * unet + selector + moments
-    assert t["fedsm_classic_head_bytes_each_way"] - t["fedsm_bytes_each_way"] == 3 * 4 * (
+    assert t["fedsm_classic_head_bytes_each_way"] - t["fedsm_bytes_each_way"] == 3 * 2 * (
         head_parameter_count("classic", 6) - head_parameter_count("gap", 6))
-    assert t["fedsm_extra_selector_round_bytes_down"] == 7 * unet + payload_bytes(model_weights(build_selector(3, 7)))
+    assert t["fedsm_extra_selector_round_bytes_down"] == 7 * unet + on_wire(
+        build_selector(3, 7, width=t["selector_width"]))
     assert 0 < t["gap_over_classic"] < 0.2
 
 

@@ -22,7 +22,8 @@ from engine.federation.flower import records
 from engine.federation.flower.server_app import FederationRunner, RegisteredSites, RoundSettings, SelfNamedSites
 from engine.federation.inprocess import run_rounds
 from engine.federation.spec import MethodSpec, build_method
-from engine.fl.methods import SiteRuntime
+from engine.fl.methods import SiteRuntime, SiteUpdate
+from engine.fl.wire_precision import decode_up
 from engine.tasks import get_task
 
 SITES = ("site1", "site2", "site3")
@@ -158,9 +159,16 @@ def test_bad_update_is_rejected_and_not_aggregated(datalists, tmp_path, kind, re
     assert any(e["event"] == "error" and e["site"] == "site2" and reason in e["message"] for e in events)
     # the aggregate is exactly FedAvg over the two good sites
     method = build_method(s, "cpu")
-    good = {u.content["fedsm"]["site"]: records.decode_update(u.content, u.content["fedsm"]["site"], 1)
-            for u in grid.sent if u.content["fedsm"]["site"] != "site2"}
-    expected = method.aggregate(method.initial_state(), 1, {k: good[k] for k in ("site1", "site3")})
+    initial = method.initial_state()
+    good = {}
+    for u in grid.sent:
+        site = u.content["fedsm"]["site"]
+        if site != "site2":  # each reply's 16-bit differences, added to what the coordinator sent that site
+            reply = records.decode_update(u.content, site, 1)
+            sent = method.site_instructions(initial, 1, site).weights
+            good[site] = SiteUpdate(decode_up(reply.weights, sent, method.wire_parts(1)), reply.num_samples,
+                                    reply.metrics)
+    expected = method.aggregate(initial, 1, {k: good[k] for k in ("site1", "site3")})
     assert_same_state(state, expected)
 
 

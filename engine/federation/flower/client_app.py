@@ -119,7 +119,8 @@ class SiteWorker:
     # --- train -------------------------------------------------------------------------
     def train(self, content: Any) -> Any:
         """Handle a ``train`` message's content; return the reply content."""
-        from engine.fl.methods import SiteRuntime
+        from engine.fl.methods import SiteInstructions, SiteRuntime, SiteUpdate
+        from engine.fl.wire_precision import decode_down, encode_up
 
         received_at = time.monotonic()
         ins = self.addressed_instructions(content)
@@ -137,11 +138,15 @@ class SiteWorker:
                 self.events.emit("batch", round=rnd, batch=event["batch"], batches=event["batches"],
                                  loss=event.get("loss", {}), method=ins.method)
 
+        # 16-bit values in, 16-bit differences from them out (engine.fl.wire_precision)
+        wire = method.wire_parts(rnd)
+        received = SiteInstructions(rnd, decode_down(ins.instructions.weights, wire), ins.instructions.config)
         started = time.monotonic()
-        update = method.train_at_site(ins.instructions, runtime, progress, self.cancel)
+        update = method.train_at_site(received, runtime, progress, self.cancel)
         train_s = time.monotonic() - started
         save_site_state(self.state_dir, ins.session, rnd, runtime.state)
-        reply = records.encode_update(_with_timing(update, train_s), site=self.cfg.name, rnd=rnd)
+        wire_update = SiteUpdate(encode_up(update.weights, received.weights, wire), update.num_samples, update.metrics)
+        reply = records.encode_update(_with_timing(wire_update, train_s), site=self.cfg.name, rnd=rnd)
 
         def report() -> None:
             wall_s = time.monotonic() - received_at  # received -> answer handed to the SuperNode
@@ -149,7 +154,7 @@ class SiteWorker:
             self.events.emit("sent", round=rnd, bytes=records.record_bytes(reply), contents={
                 "tensors": records.record_contents(reply), "num_examples": update.num_samples,
                 "metrics": sorted(update.metrics)})
-            dice = (self._validation_dice(method, ins.instructions.weights, update, runtime, data)
+            dice = (self._validation_dice(method, received.weights, update, runtime, data)
                     if self.validate else {})
             self.events.emit("metrics", round=rnd, loss=loss, dice=dice, train_s=round(train_s, 3))
             self.events.emit("round_end", round=rnd, rounds=total, wall_s=round(wall_s, 3))

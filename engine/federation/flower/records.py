@@ -54,8 +54,24 @@ METRICS = "metrics"
 WEIGHTS_PREFIX = "weights:"
 LAYOUT = "layout"
 NUM_EXAMPLES = "num-examples"
-#: dtypes an array may have on the wire (everything a model's state dict holds).
-ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
+#: dtypes an array may have on the wire (everything a model's state dict holds, and bfloat16:
+#: engine.fl.wire_precision).
+ALLOWED_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+                            "bool"})
+#: NumPy has no bfloat16: its values travel as their 16 bits in an int16 ``.npy`` array, declared
+#: ``"bfloat16"`` in the record key and the layout.
+_STORED_AS = {"bfloat16": "int16"}
+
+
+def _numpy_values(tensor: torch.Tensor) -> tuple[str, np.ndarray]:
+    """``(wire dtype name, NumPy view of the tensor's values)``; bfloat16 as its raw 16 bits."""
+    import torch
+
+    values = tensor.detach().cpu().contiguous()
+    if values.dtype == torch.bfloat16:
+        return "bfloat16", values.view(torch.int16).numpy()
+    array = values.numpy()
+    return str(array.dtype), array
 
 
 def pack(weights: dict[str, torch.Tensor]) -> tuple[Any, str]:
@@ -69,9 +85,9 @@ def pack(weights: dict[str, torch.Tensor]) -> tuple[Any, str]:
     groups: dict[str, list[np.ndarray]] = {}
     layout = []
     for key, tensor in weights.items():
-        values = tensor.detach().cpu().contiguous().numpy()
-        groups.setdefault(str(values.dtype), []).append(values.reshape(-1))
-        layout.append([key, str(values.dtype), list(values.shape)])
+        dtype, values = _numpy_values(tensor)
+        groups.setdefault(dtype, []).append(values.reshape(-1))
+        layout.append([key, dtype, list(values.shape)])
     record = ArrayRecord({dtype: _flat_array(parts) for dtype, parts in groups.items()})
     return record, json.dumps(layout, separators=(",", ":"))
 
@@ -127,9 +143,10 @@ def unpack(record: Any, layout_json: object, what: str) -> dict[str, torch.Tenso
         raise WeightsError(f"{what}: missing or unreadable tensor layout")
     flat: dict[str, np.ndarray] = {}
     for dtype, array in record.items():
-        if dtype not in ALLOWED_DTYPES or array.dtype != dtype or len(array.shape) != 1:
+        stored = _STORED_AS.get(dtype, dtype)
+        if dtype not in ALLOWED_DTYPES or array.dtype != stored or len(array.shape) != 1:
             raise WeightsError(f"{what}: array {dtype!r} is not a flat array of a numeric dtype")
-        flat[dtype] = _flat_values(array, dtype, what)
+        flat[dtype] = _flat_values(array, stored, what)
     offsets = dict.fromkeys(flat, 0)
     out: dict[str, torch.Tensor] = {}
     for entry in layout:
@@ -145,7 +162,8 @@ def unpack(record: Any, layout_json: object, what: str) -> dict[str, torch.Tenso
         if start + size > len(flat[dtype]):
             raise WeightsError(f"{what}: the layout needs more {dtype} values than were sent")
         # the one copy: out of the received (read-only) bytes into the tensor's own memory
-        out[key] = torch.from_numpy(np.array(flat[dtype][start:start + size], copy=True).reshape(shape))
+        tensor = torch.from_numpy(np.array(flat[dtype][start:start + size], copy=True).reshape(shape))
+        out[key] = tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
         offsets[dtype] = start + size
     if any(offsets[d] != len(flat[d]) for d in flat):
         raise WeightsError(f"{what}: more values were sent than the layout describes")

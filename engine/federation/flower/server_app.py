@@ -235,6 +235,9 @@ class FederationRunner:
         """Send round ``rnd``'s instructions, collect and validate the answers (no aggregation)."""
         from flwr.app import Message
 
+        from engine.fl.methods import SiteInstructions, SiteUpdate
+        from engine.fl.wire_precision import DownCache, decode_up, encode_down
+
         start = time.monotonic()
         total = self.method.total_rounds
         online = self.online_sites(grid)
@@ -242,11 +245,17 @@ class FederationRunner:
         messages: dict[str, Message] = {}
         bytes_to: dict[str, int] = {}
         packed = records.PackCache()  # parts every site gets (global, selector) are packed once
+        # 16-bit on the wire, float32 masters here (engine.fl.wire_precision): a reply's differences are
+        # added to what this coordinator meant to send each site
+        wire, encoded = self.method.wire_parts(rnd), DownCache()
+        masters: dict[str, WeightSet] = {}
         for site in self.sites:
             if site not in online:
                 left_out[site] = "not connected"
                 continue
             ins = self.method.site_instructions(state, rnd, site)
+            masters[site] = ins.weights
+            ins = SiteInstructions(ins.round, encode_down(ins.weights, wire, encoded), ins.config)
             content = records.encode_instructions(ins, rounds=total, method=self.method.name,
                                                   spec_json=self.spec_json, session=self.session, site=site,
                                                   cache=packed)
@@ -266,6 +275,8 @@ class FederationRunner:
                 return
             try:
                 update = records.decode_update(reply.content, site, rnd)
+                update = SiteUpdate(decode_up(update.weights, masters[site], wire, f"reply from {site}"),
+                                    update.num_samples, update.metrics)
                 self.method.validate_update(state, site, update)
                 update = self.screen.screen(self.method, state, site, update)  # engine.fl.robust bounds
             except (FedSMError, WeightsError) as exc:
