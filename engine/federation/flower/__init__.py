@@ -18,8 +18,7 @@ Modules: :mod:`.launch` (runs a Flower component as a child with a parent watchd
 :mod:`.processes` (starting, watching and stopping children by PID), :mod:`.records`
 (payloads as Flower records), :mod:`.transfer` (prompt object pulls), :mod:`.app_bundle` (the
 FAB a site approves), :mod:`.control` (control API calls), :mod:`.fleet_listener`
-(the SuperLink's two listeners), :mod:`.memory` (allocator settings for large messages), :mod:`.tuning`
-(fewer copies in Flower's message handling),
+(the SuperLink's two listeners), :mod:`.memory` (allocator settings for large messages),
 :mod:`.server_app`, :mod:`.server`, :mod:`.client_app`, :mod:`.site`.
 """
 

@@ -33,8 +33,7 @@ What the plain ``flower-superlink`` / ``flower-supernode`` commands do not do:
   (:mod:`engine.federation.flower.fleet_listener`).
 
 Both components also get the allocator and garbage-collector settings of
-:mod:`engine.federation.flower.memory` and the copy savings of :mod:`engine.federation.flower.tuning`;
-their HTTP APIs read each request body whole before Flower's middleware sees it
+:mod:`engine.federation.flower.memory`; their HTTP APIs read each request body whole before Flower's middleware sees it
 (:mod:`engine.federation.flower.request_body`).
 """
 
@@ -55,7 +54,6 @@ from typing import Any
 
 import engine.federation.flower  # noqa: F401  (sets Flower's environment first)
 from engine.errors import FedSMError
-from engine.federation.flower import tuning
 from engine.federation.flower.fleet_auth import HeaderAuth
 from engine.federation.flower.fleet_listener import serve
 from engine.federation.flower.local_auth import secret_from_environment
@@ -250,7 +248,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.fleet_address is not None:
             _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes,
                                     args.fleet_keys)
-        tuning.fleet_push_reads_content_once()
         entry = command.flower_superlink
         sys.argv = ["flower-superlink", *flower_args]
     else:
@@ -263,10 +260,8 @@ def main(argv: list[str] | None = None) -> None:
             guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site,
                        policy=None if args.run_policy is None else json.loads(args.run_policy))
         wrap_supernode_runtime_api()
-        tuning.store_without_rehash(command)
         entry = command.flower_supernode
         sys.argv = ["flower-supernode", *flower_args]
-    tuning.apply()
     freeze_startup_objects()
     entry()
 

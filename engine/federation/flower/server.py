@@ -36,7 +36,6 @@ from engine.errors import ConfigError, FedSMError
 from engine.federation.checkpoint import Checkpoint, load_latest_valid, round_files, save_weightset
 from engine.federation.config import FederationConfig, is_loopback
 from engine.federation.events import EventWriter
-from engine.federation.flower import tuning
 from engine.federation.flower.app_bundle import build_app_bundle
 from engine.federation.flower.final_evaluation import bundle_val_dice
 from engine.federation.flower.fleet_auth import write_keys
@@ -261,7 +260,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     from engine.federation.flower.transfer import PromptHttpGrid
     from engine.fl.exchange import ExchangeMethod
 
-    tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)

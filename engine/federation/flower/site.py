@@ -28,7 +28,6 @@ from engine.data.datalist import outside_paths_allowed
 from engine.errors import CancelledError, ConfigError, FedSMError
 from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
 from engine.federation.events import EventWriter
-from engine.federation.flower import tuning
 from engine.federation.flower.client_app import SiteWorker, build_client_app, shareable_reason
 from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
@@ -345,7 +344,6 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     before any payload is pulled; ``False`` refuses the run (``fedsm site --confirm-runs``).
     Returns the process exit status (0 = stopped normally or run finished).
     """
-    tuning.apply()  # fewer copies of every weight byte in Flower's message handling
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
     check_insecure_allowed(cfg, insecure)
