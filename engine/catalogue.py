@@ -146,18 +146,18 @@ def extra_rounds_default(rounds: int) -> int:
 
 
 # The product's methods, in the order reports list them. Paper figures: Xu et al., CVPR 2022, Table 3.
-register(WeightMethod("centralized", "Centralized", "engine.fl.methods:FedAvg", network=False, pooled=True,
+register(WeightMethod("centralized", "Centralized", "engine.fl.methods.averaging:FedAvg", network=False, pooled=True,
                       paper_dice={"fundus": 0.8898, "prostate": 0.8737}))
-register(WeightMethod("local", "Local", "engine.fl.methods:LocalOnly", routing=None))
-register(WeightMethod("fedavg", "FedAvg", "engine.fl.methods:FedAvg", mean_aggregation=True,
+register(WeightMethod("local", "Local", "engine.fl.methods.averaging:LocalOnly", routing=None))
+register(WeightMethod("fedavg", "FedAvg", "engine.fl.methods.averaging:FedAvg", mean_aggregation=True,
                       paper_dice={"fundus": 0.8710, "prostate": 0.8684}, compared_with=("centralized",)))
-register(WeightMethod("fedprox", "FedProx", "engine.fl.methods:FedProx", mean_aggregation=True,
+register(WeightMethod("fedprox", "FedProx", "engine.fl.methods.averaging:FedProx", mean_aggregation=True,
                       paper_dice={"fundus": 0.8434}, compared_with=("fedavg",)))
-register(WeightMethod("scaffold", "Scaffold", "engine.fl.methods:Scaffold",
+register(WeightMethod("scaffold", "Scaffold", "engine.fl.methods.averaging:Scaffold",
                       paper_dice={"fundus": 0.8141}, compared_with=("fedavg",)))
-register(WeightMethod("fedsm", "FedSM", "engine.fl.methods:FedSM", routing="gamma", mean_aggregation=True,
+register(WeightMethod("fedsm", "FedSM", "engine.fl.methods.fedsm:FedSM", routing="gamma", mean_aggregation=True,
                       paper_dice={"fundus": 0.8914, "prostate": 0.8763},
                       compared_with=("fedavg", "centralized", "local")))
-register(WeightMethod("fedsm-extra", "FedSM-extra", "engine.fl.methods:FedSMExtra", routing="argmax",
+register(WeightMethod("fedsm-extra", "FedSM-extra", "engine.fl.methods.fedsm:FedSMExtra", routing="argmax",
                       mean_aggregation=True, per_batch_selector=True, paper_dice={"fundus": 0.8905},
                       compared_with=("fedsm", "fedavg")))

@@ -1,43 +1,35 @@
-"""Federated methods as transport-agnostic server and site halves.
-
-A method is split the way Flower splits a Strategy from a ClientApp:
-
-- server half: :meth:`FederatedMethod.initial_state`, :meth:`~FederatedMethod.site_instructions`
-  (what each site receives this round) and :meth:`~FederatedMethod.aggregate` (new server
-  state from the updates that arrived; a site that did not answer is simply absent);
-- site half: :meth:`~FederatedMethod.train_at_site`, run where the data lives.
-
-Payloads are dicts of named weight dicts (``"global"``, ``"personal"``, ``"selector"``, ...),
-so a transport only has to move tensors, counts and metrics. Both the in-process simulation
-(:mod:`engine.federation.inprocess`) and the network transport call exactly these methods.
-"""
+"""FedSM (Xu et al., CVPR 2022) and FedSM-extra: a global model, personalized models and a model selector."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from engine.errors import ConfigError, WeightsError
-from engine.fl.aggregation import check_lam, fedavg, scaffold_server_update, scaffold_site_control, soft_pull
+from engine.fl.aggregation import check_lam, fedavg, soft_pull
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.local_training import (
     Device,
     LocalTrainingConfig,
     RoundContext,
     best_model_labels,
-    scheduled_lr,
     selector_inputs,
     train_fedsm_round,
-    train_scaffold_round,
     train_segmentation_round,
     train_selector_round,
+)
+from engine.fl.methods.contract import (
+    OPTIM_PART,
+    FederatedMethod,
+    SiteInstructions,
+    SiteRuntime,
+    SiteUpdate,
+    WeightSet,
+    derived_seed,
 )
 from engine.fl.personalization import (
     SHARED_TRACK_RULES,
@@ -93,19 +85,15 @@ from engine.fl.style_gate import (
     style_statistics,
     threshold_from_histograms,
 )
-from engine.fl.weights import Weights, all_finite, check_compatible, model_weights, subtract
-from engine.fl.wire_precision import DEFAULT_WIRE_PRECISION, check_wire_precision
-from engine.models import build_segmentation_net, build_selector
+from engine.fl.weights import Weights, all_finite, check_compatible
+from engine.models import build_selector
 from engine.models.style_gate_format import check_quantile
 from engine.tasks import TaskSpec
 
 if TYPE_CHECKING:
-    from engine.data.site_data import SplitArrays
+    pass
 
-#: Server state and payloads: part name -> weight dict.
-WeightSet = dict[str, Weights]
-#: Payload part of the selector's Adam state (reference scheme).
-OPTIM_PART = "selector_optim"
+
 #: Payload part of a site's temperature statistics (last round, ``selector_calibration="temperature"``).
 TEMPERATURE_PART = "selector_temperature"
 #: Payload part of a site's own-site confidence histogram (last round, ``gamma_pass`` set: ``--gamma auto``).
@@ -117,310 +105,6 @@ VALIDATION_METRICS = {"global": "val_dice_global", "personal": "val_dice_persona
 LAST_ROUND_PARTS = frozenset({"selector_stats", TEMPERATURE_PART, GAMMA_PART, ROUTING_PART})
 
 log = logging.getLogger(__name__)
-
-
-def derived_seed(*parts: object) -> int:
-    """Stable 63-bit seed from any parts (same value in every process and Python version)."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()
-    return int(digest[:15], 16)
-
-
-@dataclass
-class SiteInstructions:
-    """What the server sends one site for one round."""
-
-    round: int
-    weights: WeightSet
-    config: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SiteUpdate:
-    """What one site sends back: weights, its training sample count and metrics. Nothing else."""
-
-    weights: WeightSet
-    num_samples: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class SiteRuntime:
-    """A site as its own process sees it: name, index, local data and private state.
-
-    ``validation`` is the site's validation split where a method needs it at the site (early
-    stopping, a site's own model selection); ``None`` where the caller has none.
-    """
-
-    name: str
-    index: int
-    train: SplitArrays
-    state: dict[str, Any] = field(default_factory=dict)
-    validation: SplitArrays | None = None
-
-
-class FederatedMethod(ABC):
-    """Base of every method. Subclasses set :attr:`name` and implement the four halves.
-
-    Parameters
-    ----------
-    task
-        The segmentation task.
-    site_names
-        Configured sites, in index order (site ``k`` has index ``k``; label ``k`` for the
-        selector).
-    training
-        Local training hyper-parameters.
-    seed
-        Base seed; every site and round derives its own from it.
-    rounds
-        Training rounds (methods with extra phases add rounds; see :attr:`total_rounds`).
-    """
-
-    name: ClassVar[str]
-    #: Payload parts that hold networks or optimizer moments: with ``wire_precision="bfloat16"`` their
-    #: float32 tensors travel in 16 bits (:mod:`engine.fl.wire_precision`); every other part as it is.
-    WIRE_PARTS: ClassVar[frozenset[str]] = frozenset({"global", "personal", "selector", "shared", OPTIM_PART})
-    #: How :attr:`WIRE_PARTS` travel (:data:`engine.fl.wire_precision.WIRE_PRECISIONS`); set by
-    #: :meth:`use_wire_precision` from the run's settings, the same at the coordinator and the sites.
-    wire_precision: str = DEFAULT_WIRE_PRECISION
-
-    @classmethod
-    def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
-                      rounds: int, settings: Any) -> FederatedMethod:
-        """The method for a run's settings (:class:`engine.simulate.SimulationConfig` or
-        :class:`engine.federation.spec.MethodSpec`: the attributes a method reads have the same names in
-        both). :func:`engine.catalogue.build_method` calls this; a method with options of its own overrides it.
-        """
-        return cls(task, site_names, training, seed, rounds)
-
-    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, rounds: int = 1) -> None:
-        if rounds < 1:
-            raise ConfigError(f"rounds must be >= 1, got {rounds}")
-        if len(site_names) < 1:
-            raise ConfigError("a federation needs at least one site")
-        if len(set(site_names)) != len(site_names):
-            raise ConfigError(f"site names must be unique, got {site_names}")
-        self.task = task
-        self.site_names = list(site_names)
-        self.training = training
-        self.seed = seed
-        self.rounds = rounds
-
-    @property
-    def total_rounds(self) -> int:
-        """Communication rounds the method runs (training rounds plus any extra phases)."""
-        return self.rounds
-
-    def use_wire_precision(self, precision: str) -> FederatedMethod:
-        """Send :attr:`WIRE_PARTS` in ``precision`` (``"bfloat16"`` or ``"float32"``); returns ``self``."""
-        self.wire_precision = check_wire_precision(precision)
-        return self
-
-    def wire_parts(self, rnd: int) -> frozenset[str]:
-        """The parts whose float32 tensors travel in 16 bits in round ``rnd`` (none with ``float32``)."""
-        return self.WIRE_PARTS if self.wire_precision == "bfloat16" else frozenset()
-
-    # --- helpers ---------------------------------------------------------------------------
-    def _initial_segmentation(self) -> Weights:
-        torch.manual_seed(derived_seed(self.seed, "init", "segmentation"))
-        return model_weights(build_segmentation_net(self.task.in_channels, self.task.out_channels))
-
-    def _initial_selector(self, num_classes: int) -> Weights:
-        torch.manual_seed(derived_seed(self.seed, "init", "selector"))
-        return model_weights(build_selector(self.task.in_channels, num_classes,  # type: ignore[arg-type]
-                                            self.training.selector_head, self.training.selector_width))
-
-    def round_training(self, rnd: int) -> LocalTrainingConfig:
-        """:attr:`training` with round ``rnd``'s learning rate (the config's ``lr_schedule``).
-
-        Only the U-Nets' rate follows the schedule; the selector's stays as configured. Both
-        halves of a method compute it from the round number, so it needs no message.
-        """
-        cfg = self.training
-        if cfg.lr_schedule == "constant":
-            return cfg
-
-        return replace(cfg, lr=scheduled_lr(cfg.lr, cfg.lr_schedule, rnd, self.rounds, cfg.lr_min_ratio))
-
-    def _context(self, rnd: int, site: SiteRuntime, progress: Any, cancel: Any) -> RoundContext:
-        return RoundContext(self.name, rnd, site.name, progress, cancel)
-
-    def _site_seed(self, rnd: int, site: SiteRuntime, part: str = "") -> int:
-        return derived_seed(self.seed, self.name, rnd, site.name, part)
-
-    # --- server half -----------------------------------------------------------------------
-    @abstractmethod
-    def initial_state(self) -> WeightSet:
-        """Server state before round 1."""
-
-    @abstractmethod
-    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        """Payload for ``site`` in round ``rnd`` (1-based)."""
-
-    @abstractmethod
-    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        """New server state from the updates of the sites that answered (at least one)."""
-
-    # --- site half -------------------------------------------------------------------------
-    @abstractmethod
-    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
-                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        """Run the local round and return only weights, the sample count and metrics."""
-
-    # --- shared checks ---------------------------------------------------------------------
-    def validate_update(self, state: WeightSet, site: str, update: SiteUpdate) -> None:
-        """Reject an update whose parts do not fit the server's models (keys, shapes, dtypes, NaN)."""
-        reference = self.expected_update_shapes(state, site)
-        if set(update.weights) != set(reference):
-            raise ConfigError(
-                f"update from {site} has parts {sorted(update.weights)}, expected {sorted(reference)}"
-            )
-        for part, ref in reference.items():
-            check_compatible(ref, update.weights[part], what=f"{part} update from {site}")
-        if update.num_samples <= 0:
-            raise ConfigError(f"update from {site} reports {update.num_samples} training samples")
-
-    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        """Reference weights an update's parts must match (default: the global model)."""
-        return {"global": state["global"]}
-
-
-class FedAvg(FederatedMethod):
-    """FedAvg (McMahan et al.): one global model, ``w = sum_k n_k/n w_k``."""
-
-    name = "fedavg"
-
-    def initial_state(self) -> WeightSet:
-        return {"global": self._initial_segmentation()}
-
-    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        return SiteInstructions(rnd, {"global": state["global"]})
-
-    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        new = dict(state)
-        new["global"] = fedavg([(u.weights["global"], u.num_samples) for u in updates.values()])
-        return new
-
-    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
-                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        ctx = self._context(instructions.round, site, progress, cancel)
-        weights, metrics = train_segmentation_round(
-            self.task, instructions.weights["global"], site.train, self.round_training(instructions.round),
-            self._site_seed(instructions.round, site), ctx)
-        return SiteUpdate({"global": weights}, len(site.train.images), metrics)
-
-
-class FedProx(FedAvg):
-    """FedProx (Li et al.): FedAvg plus ``mu/2 ||w - w_round||^2`` in each site's loss."""
-
-    name = "fedprox"
-
-    def __init__(self, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig,
-                 seed: int = 0, rounds: int = 1, mu: float = 0.01) -> None:
-        super().__init__(task, site_names, training, seed, rounds)
-        if mu < 0:
-            raise ConfigError(f"FedProx mu must be >= 0, got {mu}")
-        self.mu = mu
-
-    @classmethod
-    def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
-                      rounds: int, settings: Any) -> FedProx:
-        return cls(task, site_names, training, seed, rounds, mu=settings.prox_mu)
-
-    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        return SiteInstructions(rnd, {"global": state["global"]}, {"prox_mu": self.mu})
-
-    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
-                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        ctx = self._context(instructions.round, site, progress, cancel)
-        cfg = replace(self.round_training(instructions.round), prox_mu=float(instructions.config["prox_mu"]))
-        received = instructions.weights["global"]
-        weights, metrics = train_segmentation_round(
-            self.task, received, site.train, cfg, self._site_seed(instructions.round, site), ctx,
-            prox_anchor=received)
-        return SiteUpdate({"global": weights}, len(site.train.images), metrics)
-
-
-class Scaffold(FedAvg):
-    """Scaffold (Karimireddy et al.): control variates correct each site's drift.
-
-    The server keeps ``c``, each site its own ``c_k`` (site state, never sent as such; the site
-    sends the change ``c_k+ - c_k``). Every local gradient gets ``c - c_k`` added before the
-    Adam step. The new ``c_k+`` is the mean of the site's uncorrected minibatch gradients over
-    the round (option I-like, summed during training at no extra cost), not option II's
-    ``(x - y_k)/(steps * lr)``, which assumes plain SGD steps and has the wrong scale with Adam
-    (see :func:`engine.fl.aggregation.scaffold_site_control`).
-    """
-
-    name = "scaffold"
-
-    def _zero_control(self, weights: Weights) -> Weights:
-        params = dict(build_segmentation_net(self.task.in_channels, self.task.out_channels).named_parameters())
-        return {k: torch.zeros_like(v) for k, v in weights.items() if k in params}
-
-    def initial_state(self) -> WeightSet:
-        weights = self._initial_segmentation()
-        return {"global": weights, "control": self._zero_control(weights)}
-
-    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        return SiteInstructions(rnd, {"global": state["global"], "control": state["control"]})
-
-    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        return {"global": state["global"], "control_delta": state["control"]}
-
-    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        new = super().aggregate(state, rnd, updates)
-        new["control"] = scaffold_server_update(
-            state["control"], [u.weights["control_delta"] for u in updates.values()], len(self.site_names))
-        return new
-
-    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
-                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        ctx = self._context(instructions.round, site, progress, cancel)
-        received = instructions.weights["global"]
-        server_c = instructions.weights["control"]
-        site_c = site.state.get("scaffold_control") or {k: torch.zeros_like(v) for k, v in server_c.items()}
-        correction = subtract(server_c, site_c)
-        weights, grads, metrics = train_scaffold_round(
-            self.task, received, site.train, self.round_training(instructions.round),
-            self._site_seed(instructions.round, site), ctx, correction)
-        new_c = scaffold_site_control(grads.gradient_sum(), grads.batches, site_c)
-        site.state["scaffold_control"] = new_c
-        return SiteUpdate({"global": weights, "control_delta": subtract(new_c, site_c)},
-                          len(site.train.images), metrics)
-
-
-class LocalOnly(FederatedMethod):
-    """Each site trains alone; nothing is exchanged (baseline). The server keeps no model."""
-
-    name = "local"
-    #: the common initialisation a site starts from travels exactly (nothing comes back)
-    WIRE_PARTS = frozenset()
-
-    def initial_state(self) -> WeightSet:
-        init = self._initial_segmentation()
-        return {f"personal/{s}": init for s in self.site_names}
-
-    def site_instructions(self, state: WeightSet, rnd: int, site: str) -> SiteInstructions:
-        # round 1 hands out the common initialisation; later rounds continue from the site's own model
-        return SiteInstructions(rnd, {"personal": state[f"personal/{site}"]} if rnd == 1 else {})
-
-    def expected_update_shapes(self, state: WeightSet, site: str) -> WeightSet:
-        return {}
-
-    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        return dict(state)
-
-    def train_at_site(self, instructions: SiteInstructions, site: SiteRuntime,
-                      progress: Any = None, cancel: Any = None) -> SiteUpdate:
-        ctx = self._context(instructions.round, site, progress, cancel)
-        start = instructions.weights.get("personal", site.state.get("local_model"))
-        weights, metrics = train_segmentation_round(
-            self.task, start, site.train, self.round_training(instructions.round),
-            self._site_seed(instructions.round, site), ctx)
-        site.state["local_model"] = weights
-        return SiteUpdate({}, len(site.train.images), metrics)
 
 
 class FedSM(FederatedMethod):
@@ -1100,5 +784,6 @@ def selector_statistics(task: TaskSpec, selector_weights: Mapping[str, torch.Ten
     net.to(device.torch_device)
     small = torch.from_numpy(selector_inputs(images, training.selector_size)).to(device.torch_device)
     return class_statistics(penultimate_features(net, small), labels, num_classes)
+
 
 
