@@ -117,6 +117,34 @@ def test_bodies_of_unstated_length_are_refused_and_those_within_the_limit_pass(l
     assert [body for _, _, body in app.seen] == [b"z" * 1000] * 3
 
 
+def test_a_body_that_trickles_in_is_given_up_at_its_deadline_and_its_budget_returned(tmp_path):
+    import asyncio
+
+    app = EchoApp()
+    only = FleetOnly(app, max_body=1000, body_deadline_s=0.3, min_body_rate=1e9)
+    sent: list[dict] = []
+
+    async def trickle():  # the headers announce 500 bytes, 10 arrive, then nothing
+        await asyncio.sleep(0)
+        if not sent:
+            trickle.calls += 1
+            if trickle.calls == 1:
+                return {"type": "http.request", "body": b"x" * 10, "more_body": True}
+        await asyncio.sleep(3600)
+    trickle.calls = 0
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/fleet/push-object",
+             "headers": [(b"content-length", b"500")]}
+    started = time.monotonic()
+    asyncio.run(only(scope, trickle, send))
+    assert time.monotonic() - started < 5
+    assert sent[0]["status"] == 408 and app.seen == []
+    assert only.inflight.used == 0  # the trickler's share of the in-flight budget is free again
+
+
 _SERVE = textwrap.dedent("""
     import sys
     from pathlib import Path

@@ -52,9 +52,13 @@ from engine.federation.flower.upload_limits import (
 FLEET_PREFIX = "/v1/fleet/"
 #: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41, plus framing (upload_limits).
 MAX_BODY = UPLOAD_MAX_BODY
-#: Bodies above this size are read only after the request's headers authenticate an enrolled site
-#: (fleet_auth); smaller ones (every request but weight uploads) go to Flower, which checks the same.
-AUTH_ABOVE = 64 * 1024
+#: Bodies above this size reach Flower one at a time (see :meth:`FleetOnly.__call__`).
+LARGE_BODY = 64 * 1024
+#: A body must arrive within this many seconds plus one second per :data:`MIN_BODY_RATE` bytes
+#: (408 and the connection closed otherwise): a sender that announces a body and trickles it holds
+#: its share of the in-flight budget only that long. 8 MiB may take 30 + 128 s.
+BODY_DEADLINE_S = 30.0
+MIN_BODY_RATE = 64 * 1024
 
 
 class FleetOnly:
@@ -77,15 +81,22 @@ class FleetOnly:
     max_reply_bytes
         Largest reply a site may upload (413 beyond; :class:`.upload_limits.ReplyBytes`).
     auth
-        :class:`.fleet_auth.HeaderAuth`: a request with a body above :data:`AUTH_ABOVE` not
-        signed by an enrolled site is answered 401 before its body is read (``None``: insecure
-        mode, no check).
+        :class:`.fleet_auth.HeaderAuth`: a request whose headers are not signed by an enrolled
+        site is answered 401 before a byte of its body is read, whatever its size (every fleet
+        request Flower's SuperNodes send is signed; Flower checks them only after reading the
+        body). Anonymous traffic therefore never holds any of the in-flight budget, and each
+        enrolled site's share is its own. ``None``: insecure mode, no check.
+    body_deadline_s, min_body_rate
+        A body must arrive within ``body_deadline_s + length / min_body_rate`` seconds
+        (408 otherwise).
     """
 
     def __init__(self, app: App, max_body: int = MAX_BODY,
                  record_dir: Path | None = None, max_inflight: int = MAX_INFLIGHT,
-                 max_reply_bytes: int | None = None, auth: Any = None) -> None:
+                 max_reply_bytes: int | None = None, auth: Any = None,
+                 body_deadline_s: float = BODY_DEADLINE_S, min_body_rate: float = MIN_BODY_RATE) -> None:
         self.app, self.max_body, self.record_dir = app, max_body, record_dir
+        self.body_deadline_s, self.min_body_rate = body_deadline_s, min_body_rate
         self.auth = auth  # HeaderAuth: enrolled sites only, decided from the headers (.fleet_auth)
         self.inflight = InflightBudget(max(max_inflight, max_body), max(MAX_INFLIGHT_PER_SITE, max_body))
         self.replies = ReplyBytes(max_reply_bytes)
@@ -112,9 +123,9 @@ class FleetOnly:
         if length > self.max_body:
             await _answer(send, 413, b"request body too large\n")
             return
-        # a body worth holding only from an enrolled site (small ones are left to Flower's own check)
+        # only an enrolled site's request is worth a byte of its body, however small
         sender = None
-        if self.auth is not None and length > AUTH_ABOVE:
+        if self.auth is not None:
             if not self.auth.allowed(scope):
                 await _answer(send, 401, b"Invalid SuperNode authentication\n")
                 return
@@ -124,7 +135,12 @@ class FleetOnly:
             await _answer(send, 503, b"busy, retry later\n")
             return
         try:
-            body = await read_body(receive)  # bounded by the checks above
+            try:  # bounded in size by the checks above, and in time here
+                body = await asyncio.wait_for(read_body(receive),
+                                              self.body_deadline_s + length / self.min_body_rate)
+            except TimeoutError:
+                await _answer(send, 408, b"request body too slow\n")
+                return
             if body is None:  # the client left before its body was complete
                 return
             if scope["path"].endswith("/push-messages"):
@@ -146,7 +162,7 @@ class FleetOnly:
                     status.append(int(message["status"]))
                 await send(message)
 
-            if length > AUTH_ABOVE:
+            if length > LARGE_BODY:
                 # one large body in Flower's hands at a time: handled concurrently, Flower's copies of
                 # several bodies fragment the single-arena heap (memory.py) so that it grows with every
                 # upload (an enrolled site's junk: 136 -> 1303 MiB for 192 bodies 3 at a time; one at
@@ -155,7 +171,7 @@ class FleetOnly:
                     await self.app(scope, replaying(body, receive), answered)
             else:
                 await self.app(scope, replaying(body, receive), answered)
-            if length > AUTH_ABOVE and (not status or status[0] >= 400):
+            if length > LARGE_BODY and (not status or status[0] >= 400):
                 # a refused body is held by the error's traceback (a reference cycle), which the
                 # federation processes' sparse collections (memory.freeze_startup_objects) would
                 # free only much later: junk uploads would pile up in the heap

@@ -10,14 +10,14 @@ many and however large, until the ServerApp pulls them. The fleet listener
   body is read;
 - **an in-flight budget** (:class:`InflightBudget`, 64 MiB, of which one enrolled site may
   hold 24 MiB): the declared lengths of the bodies being received *or handled by Flower* at
-  once, from anyone, authenticated or not. A body's bytes count until Flower has answered
+  once (only enrolled sites' bodies are read at all: the fleet listener refuses an unsigned
+  request from its headers). A body's bytes count until Flower has answered
   it, since Flower parses and copies a body after it was received, and the federation
   processes keep their allocator's high-water mark (:mod:`.memory`): counting only the
   receipt let an enrolled site's 192 junk bodies of 7.9 MB take the SuperLink from 135 to
   692 MiB (now 198 MiB, with bodies above 64 KiB handed to Flower one at a time by the fleet
   listener: ``benchmarks/enrolled_junk.py``). A request that would exceed it is answered 503
-  at once (Flower's clients retry 503 with back-off), so sixteen anonymous 60 MB uploads
-  cost the SuperLink at most the budget, never a gigabyte;
+  at once (Flower's clients retry 503 with back-off);
 - **a per-reply limit** (:class:`ReplyBytes`): a site first pushes a reply's object tree
   (``push-messages``), then its objects (``push-object``). A tree of more than
   ``max_reply_objects`` objects is refused whole (413, nothing stored); then the bytes of the
