@@ -60,21 +60,30 @@ def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp
     server = CoordinatorThread(fed, record_fleet=sent_by_sites)
     outcome = server.outcome
     procs = Processes()
+    slow: list = []
     try:
         # Execute
         server.start()
         sites = [fed.start_site(procs, s) for s in SITES]
         wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, sites)
         check_sites_address_serves_only_the_fleet_api(fed.port, superlink_port, pki)
+        # the red-team's attack during the run: 1,000 anonymous connections, each announcing a 64 KiB body
+        slow = hold_slow_anonymous_connections(fed.port, pki / "ca.pem", 1000)
         server.join(timeout=300)
         assert not server.is_alive(), "the federation did not finish within 300 s"
         assert "error" not in outcome, outcome.get("error")
         for site in SITES:
             wait_for(fed.site_events(site), lambda e: e["event"] == "finished", 60)
     finally:
+        for sock in slow:
+            sock.close()
         server.stop()
         procs.stop_all()
 
+    # Assert: the rounds took their normal time beside the slow connections (a few seconds each here)
+    round_s = [e["wall_s"] for e in read_events(fed.server_events) if e["event"] == "round_end"]
+    print(f"round wall times beside 1,000 slow anonymous connections: {round_s}")
+    assert len(round_s) == 3 and max(round_s) < 60, round_s
     # Assert: the same weights as the simulation
     assert max_abs_difference(fed.work / "supermodel.safetensors", simulated_supermodel) <= 1e-5
     summary = outcome["summary"]
@@ -115,6 +124,28 @@ def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp
     server_events = read_events(fed.server_events)
     assert [e["round"] for e in server_events if e["event"] == "checkpoint"] == [1, 2, 3]
     assert all(e["left_out"] == {} for e in server_events if e["event"] == "round_end")
+
+
+def hold_slow_anonymous_connections(port: int, ca: Path, count: int) -> list:
+    """``count`` TLS connections to the sites' address that announce a 64 KiB fleet upload and send one byte."""
+    import resource
+    import socket
+    import ssl
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 500:
+        if hard < count + 500:
+            pytest.skip(f"needs {count + 500} open files, the limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count + 500, hard))
+    context = ssl.create_default_context(cafile=str(ca))
+    held = []
+    for _ in range(count):
+        sock = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30),
+                                   server_hostname="127.0.0.1")
+        sock.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/protobuf\r\nContent-Length: 65536\r\n\r\nX")
+        held.append(sock)
+    return held
 
 
 def check_sites_address_serves_only_the_fleet_api(port: int, superlink_port: int, pki_dir: Path) -> None:
