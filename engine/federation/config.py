@@ -17,6 +17,8 @@ is a :class:`engine.errors.ConfigError` naming the file, the key and what to wri
     poll_interval = 0.2                  # seconds between checks for answers
     superlink_port = 0                   # loopback port of the SuperLink (0 = any free port)
     keep_checkpoints = 3                 # checkpoints kept (a corrupt newest one falls back to the one before)
+    run_spec_lifetime = 0                # seconds within which a site first accepts the signed run (0 = the
+                                         # run's longest duration from the timeouts; at most 30 days)
 
     [robust]                             # bounds on sites' updates: engine.fl.robust.RobustSettings
 
@@ -76,14 +78,14 @@ from engine.federation.spec import MethodSpec
 from engine.fl.fediod_privacy import DEFAULT_DELTA, PrivacySetting
 from engine.io.masks import MAX_TOLERATED_DEG
 from engine.security.approval import normalise_app_hash
-from engine.security.run_spec import SiteBounds
+from engine.security.run_spec import MAX_LIFETIME_S, SiteBounds
 from engine.tasks import get_task
 
 DEFAULT_ADDRESS = "127.0.0.1:9092"
 
 _FEDERATION_KEYS = {"sites", "address", "work_dir", "min_sites", "round_timeout", "start_timeout",
                     "round_attempts", "poll_interval", "superlink_port", "name", "rejoin_wait",
-                    "keep_checkpoints"}
+                    "keep_checkpoints", "run_spec_lifetime"}
 _TLS_KEYS = {"ca_cert", "server_cert", "server_key"}
 _SITE_KEYS = {"name", "coordinator", "datalist", "task", "work_dir", "device", "threads", "poll_interval",
               "runtime_port", "share_activations", "allow_outside", "tolerate_orientation"}
@@ -198,10 +200,28 @@ class FederationConfig:
     keep_checkpoints: int = 3
     #: the ``[robust]`` table as written (checked by :func:`engine.fl.robust.RobustSettings.from_dict`)
     robust: dict[str, Any] = field(default_factory=dict)
+    #: seconds within which a site may first accept the signed run spec (0: :attr:`spec_lifetime` computes it)
+    run_spec_lifetime: float = 0.0
 
     @property
     def sites(self) -> tuple[str, ...]:
         return self.spec.site_names
+
+    @property
+    def spec_lifetime(self) -> float:
+        """Seconds the signed run spec stays valid for a site's first acceptance of the run.
+
+        ``run_spec_lifetime`` when set; else the longest the run can take by its own timeouts (the
+        wait for sites, then every round tried ``round_attempts`` times, each waiting
+        ``round_timeout`` and ``rejoin_wait``), so a site that joins late is still accepted; at
+        most :data:`engine.security.run_spec.MAX_LIFETIME_S`. A run lasts as long as it needs: the
+        lifetime only bounds when a site first accepts it.
+        """
+        if self.run_spec_lifetime:
+            return self.run_spec_lifetime
+        longest = self.start_timeout + self.spec.total_rounds * self.round_attempts * (self.round_timeout +
+                                                                                        self.rejoin_wait)
+        return min(max(longest, 3600.0), MAX_LIFETIME_S)
 
     @property
     def address(self) -> str:
@@ -267,7 +287,15 @@ def load_federation_config(path: Path) -> FederationConfig:
         rejoin_wait=_positive(float(_get(fed, "rejoin_wait", (int, float), where, 0.0)), "rejoin_wait", where,
                               allow_zero=True),
         keep_checkpoints=keep_checkpoints, robust=dict(robust),
+        run_spec_lifetime=_lifetime(_get(fed, "run_spec_lifetime", (int, float), where, 0), where),
     )
+
+
+def _lifetime(value: float, where: str) -> float:
+    if isinstance(value, bool) or not math.isfinite(value) or not 0 <= value <= MAX_LIFETIME_S:
+        raise ConfigError(f"{where}: run_spec_lifetime = {value!r} must be a number of seconds in [0, "
+                          f"{MAX_LIFETIME_S}] (0: the run's longest duration by its timeouts)")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -45,10 +45,9 @@ import torch
 
 from engine.bundle.split import site_split_bundle, split_bundle_from_state
 from engine.errors import ConfigError, WeightsError
+from engine.fl.blackfed_config import BlackFedConfig
 from engine.fl.blackfed_nets import (
-    DEFAULT_SPLIT_CHANNELS,
     SpsaGc,
-    SpsaSettings,
     build_client_net,
     build_server_net,
     client_flops_per_image,
@@ -72,67 +71,6 @@ CLIENT_KEY = "blackfed_client"
 #: while a reply of 1e30s would overflow the server net's loss without being NaN or Inf on the wire.
 MAX_ACTIVATION_ABS = 1e6
 TURN_KEY = "_blackfed_turn"
-
-
-@dataclass(frozen=True)
-class BlackFedConfig:
-    """BlackFed's hyper-parameters (CPU preset; the paper's values in brackets).
-
-    Attributes
-    ----------
-    channels
-        ``C``, channels of the client net's output [64; here FedSM's first U-Net level].
-    client_epochs, server_epochs
-        ``c_e``, ``s_e``: passes over the site's training batches per turn [10, 10].
-    batch_size
-        Images per exchange [8].
-    server_lr
-        AdamW step size of ``g`` [paper text 1e-4; authors' code 1e-3].
-    client_lr, spsa_c, perturbations, momentum
-        SPSA-GC: step size, perturbation size, perturbations averaged per step, ``beta``
-        [authors' code: 0.01, 0.01, 5, 0.9].
-    image_size
-        Side of the images (checked on every reply; 0 = not checked).
-    """
-
-    channels: int = DEFAULT_SPLIT_CHANNELS
-    client_epochs: int = 2
-    server_epochs: int = 2
-    batch_size: int = 8
-    server_lr: float = 1e-3
-    client_lr: float = 0.01
-    spsa_c: float = 0.01
-    perturbations: int = 5
-    momentum: float = 0.9
-    image_size: int = 0
-
-    def __post_init__(self) -> None:
-        if self.channels < 1 or self.batch_size < 1:
-            raise ConfigError(f"BlackFed needs channels >= 1 and batch_size >= 1, got {self.channels}, "
-                              f"{self.batch_size}")
-        if self.client_epochs < 0 or self.server_epochs < 1:
-            raise ConfigError(f"BlackFed needs client_epochs >= 0 and server_epochs >= 1, got "
-                              f"{self.client_epochs}, {self.server_epochs}")
-        if self.server_lr <= 0:
-            raise ConfigError(f"server_lr must be > 0, got {self.server_lr}")
-        self.spsa()  # validates the SPSA settings
-
-    def spsa(self) -> SpsaSettings:
-        """The client's SPSA-GC settings."""
-        return SpsaSettings(self.client_lr, self.spsa_c, self.perturbations, self.momentum)
-
-    @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> BlackFedConfig:
-        """From a run's flat settings: ``blackfed_<field>`` keys, else ``batch_size``/``image_size``/``lr``."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            key = f"blackfed_{f.name}"
-            if settings.get(key) is not None:
-                values[f.name] = settings[key]
-        for name, key in (("batch_size", "batch_size"), ("image_size", "image_size"), ("server_lr", "lr")):
-            if name not in values and settings.get(key) is not None:
-                values[name] = settings[key]
-        return cls(**values)
 
 
 class BlackFed(ExchangeMethod):

@@ -16,17 +16,14 @@ the same code.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ConfigError
+from engine.fl.blackfed_config import DEFAULT_SPLIT_CHANNELS, SpsaSettings
 from engine.models import build_segmentation_net
-
-#: Default number of channels ``C`` the client net hands to the server net (FedSM's first U-Net level).
-DEFAULT_SPLIT_CHANNELS = 16
 
 
 class ClientNet(nn.Sequential):
@@ -73,36 +70,6 @@ def client_flops_per_image(in_channels: int, channels: int, size: int) -> int:
 def rademacher(n: int, generator: torch.Generator) -> torch.Tensor:
     """``n`` independent signs ``+-1`` (float32)."""
     return torch.randint(0, 2, (n,), generator=generator).to(torch.float32).mul_(2).sub_(1)
-
-
-@dataclass(frozen=True)
-class SpsaSettings:
-    """SPSA-GC hyper-parameters.
-
-    Attributes
-    ----------
-    lr
-        Step size ``a``.
-    c
-        Perturbation size: the losses are taken at ``theta +- c * delta``.
-    perturbations
-        Independent perturbations averaged per step (the authors' ``sp_avg``).
-    momentum
-        ``beta`` of the gradient correction (0 = plain SPSA).
-    """
-
-    lr: float = 0.01
-    c: float = 0.01
-    perturbations: int = 5
-    momentum: float = 0.9
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.c <= 0:
-            raise ConfigError(f"SPSA lr and c must be > 0, got lr={self.lr}, c={self.c}")
-        if self.perturbations < 1:
-            raise ConfigError(f"SPSA needs >= 1 perturbation per step, got {self.perturbations}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError(f"SPSA momentum must lie in [0, 1), got {self.momentum}")
 
 
 def spsa_gradient(losses: torch.Tensor, deltas: torch.Tensor, c: float) -> torch.Tensor:

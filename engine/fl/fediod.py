@@ -24,17 +24,17 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
 
 from engine.bundle.single import single_model_bundle
-from engine.errors import ConfigError, WeightsError
+from engine.errors import WeightsError
 from engine.fl import fediod_losses as losses
 from engine.fl.evaluation import segment_with
 from engine.fl.exchange import ExchangeMethod, Reply, Request, RoundDialogue
+from engine.fl.fediod_config import OPTIONS, FedIODConfig
 from engine.fl.fediod_nets import Generator
 from engine.fl.fediod_privacy import DEFAULT_DELTA, PrivacySetting, epsilon_spent
 from engine.fl.fediod_site import (
@@ -58,64 +58,6 @@ if TYPE_CHECKING:
     from engine.tasks import TaskSpec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FedIODConfig:
-    """FedIOD's hyper-parameters (the coordinator's; each site's privacy setting is its own).
-
-    Attributes
-    ----------
-    image_size
-        Side of the generated images (the task's input size).
-    steps
-        Distillation steps per round.
-    batch
-        Generated images per step.
-    z_dim
-        Noise length of the generator.
-    lr_g, lr_s, lr_d
-        Adam learning rates of the generator, the student and the sites' discriminators.
-    teacher_epochs, teacher_patience, batch_size, lr
-        Stage 1: at most this many epochs, stop after ``patience`` epochs without a better
-        validation Dice; the teacher's batch size and learning rate.
-    w_gan, w_consensus, w_uniqueness, w_adv, w_balance
-        Weights of the generator's loss terms (``w_adv`` multiplies the negated mimic loss).
-    student_steps
-        Student updates per distillation step (on the step's images).
-    device
-        Where the coordinator's and sites' networks run.
-    """
-
-    image_size: int = 64
-    steps: int = 100
-    batch: int = 8
-    z_dim: int = 64
-    lr_g: float = 1e-3
-    lr_s: float = 1e-3
-    lr_d: float = 2e-4
-    teacher_epochs: int = 20
-    teacher_patience: int = 4
-    batch_size: int = 8
-    lr: float = 1e-3
-    w_gan: float = 1.0
-    w_consensus: float = 1.0
-    w_uniqueness: float = 1.0
-    w_adv: float = 1.0
-    w_balance: float = 1.0
-    student_steps: int = 1
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.student_steps < 1:
-            raise ConfigError(f"FedIOD steps and student_steps must be >= 1, got {self.steps}, {self.student_steps}")
-        if self.batch < 2:
-            raise ConfigError(f"FedIOD needs at least 2 generated images per step (batch norm), got {self.batch}")
-        if self.image_size < 16 or self.image_size % 16:
-            raise ConfigError(f"image_size must be a multiple of 16, got {self.image_size}")
-        for name in ("lr_g", "lr_s", "lr_d", "lr"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"FedIOD {name} must be > 0, got {getattr(self, name)}")
 
 
 class FedIOD(ExchangeMethod):
@@ -453,25 +395,38 @@ def _net_segmenter(net: torch.nn.Module, device: torch.device) -> Callable[[np.n
 def build_fediod(name: str, task: TaskSpec, site_names: list[str], settings: Mapping[str, Any]) -> FedIOD:
     """Registry factory: FedIOD from a run's flat settings (``fedsm simulate`` or the network spec).
 
-    Keys read (all optional): ``seed``, ``rounds``, ``image_size``, ``batch_size``, ``lr``,
-    ``device``, ``fediod_steps``, ``fediod_batch``, ``teacher_epochs``, ``teacher_patience``,
-    and the default privacy setting of sites without their own: ``dp_noise``, ``dp_epsilon``,
-    ``dp_clip``, ``dp_delta``. Each FedIOD key may also be written with the ``fediod_`` prefix
-    (``fediod_teacher_epochs``, ``fediod_dp_noise``): that is how ``federation.toml``'s
-    ``[training]`` passes a dialogue method's options (:class:`engine.federation.spec.MethodSpec`).
+    Keys read (all optional): the run's ``seed``, ``rounds``, ``image_size``, ``batch_size``, ``lr``,
+    ``device``, and FedIOD's options (:data:`engine.fl.fediod_config.OPTIONS`, with their bounds):
+    ``fediod_steps``, ``fediod_batch``, ``teacher_epochs``, ``teacher_patience``, and the default
+    privacy setting of sites without their own: ``dp_noise``, ``dp_epsilon``, ``dp_clip``,
+    ``dp_delta``. Each option may be written with the ``fediod_`` prefix (``fediod_teacher_epochs``,
+    ``fediod_dp_noise``): that is how ``federation.toml``'s ``[training]`` passes a dialogue
+    method's options (:class:`engine.fl.method_spec.MethodSpec`). Only declared options are read
+    with the prefix: ``fediod_device`` or ``fediod_rounds`` cannot override the run's own settings.
     """
-    def get(key: str, default: Any) -> Any:
-        value = settings.get(f"fediod_{key}", settings.get(key))
+    def option(name: str) -> Any:  # a declared FedIOD option: fediod_<name>, or (simulation) <name>
+        if name not in OPTIONS:
+            raise KeyError(name)
+        value = settings.get(f"fediod_{name}")
+        return settings.get(name) if value is None else value
+
+    def get(key: str, default: Any) -> Any:  # one of the run's own settings (never a fediod_ option)
+        value = settings.get(key)
         return default if value is None else value
 
+    def config_option(name: str) -> int:
+        value = option(name)
+        return int(getattr(FedIODConfig, name) if value is None else value)
+
     config = FedIODConfig(
-        image_size=int(get("image_size", 64)), steps=int(get("fediod_steps", 100)),
-        batch=int(get("fediod_batch", 8)), teacher_epochs=int(get("teacher_epochs", 20)),
-        teacher_patience=int(get("teacher_patience", 4)), batch_size=int(get("batch_size", 8)),
-        lr=float(get("lr", 1e-3)), device=str(get("device", "auto")))
-    privacy = PrivacySetting(noise_multiplier=float(get("dp_noise", 0.0)),
-                             epsilon=None if get("dp_epsilon", None) is None else float(get("dp_epsilon", None)),
-                             clip_norm=float(get("dp_clip", 1.0)), delta=float(get("dp_delta", DEFAULT_DELTA)))
+        image_size=int(get("image_size", 64)), steps=config_option("steps"), batch=config_option("batch"),
+        teacher_epochs=config_option("teacher_epochs"), teacher_patience=config_option("teacher_patience"),
+        batch_size=int(get("batch_size", 8)), lr=float(get("lr", 1e-3)), device=str(get("device", "auto")))
+    epsilon = option("dp_epsilon")
+    privacy = PrivacySetting(noise_multiplier=float(option("dp_noise") or 0.0),
+                             epsilon=None if epsilon is None else float(epsilon),
+                             clip_norm=float(1.0 if option("dp_clip") is None else option("dp_clip")),
+                             delta=float(DEFAULT_DELTA if option("dp_delta") is None else option("dp_delta")))
     return FedIOD(task, site_names, int(get("seed", 0)), int(get("rounds", 1)), config, privacy)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
+from engine.fl.setting_bounds import bounded, number
 
 if TYPE_CHECKING:  # torch is imported where it is used: site.toml parsing needs only PrivacySetting
     import torch
@@ -48,10 +49,14 @@ class PrivacySetting:
         Delta of the reported guarantee.
     """
 
-    noise_multiplier: float = 0.0
-    epsilon: float | None = None
-    clip_norm: float = 1.0
-    delta: float = DEFAULT_DELTA
+    # hard bounds of the default a coordinator may sign for sites without their own ([training]
+    # fediod_dp_*; engine.fl.fediod_config.OPTIONS); a site's own [privacy] is checked below
+    noise_multiplier: float = bounded(0.0, number(0.0, 100.0, help="noise std in units of the clip norm (0: no DP)"))
+    epsilon: float | None = bounded(None, number(0.0, 1e6, low_open=True, nullable=True, null_means="no target",
+                                                 help="epsilon target for the whole run"))
+    clip_norm: float = bounded(1.0, number(0.0, 1e6, low_open=True, help="L2 bound of one release"))
+    delta: float = bounded(DEFAULT_DELTA, number(0.0, 1.0, low_open=True, high_open=True,
+                                                 help="delta of the reported guarantee"))
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.noise_multiplier) or self.noise_multiplier < 0:

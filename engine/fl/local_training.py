@@ -40,6 +40,7 @@ from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import CancelledError, ConfigError
 from engine.fl.aggregation import fedprox_penalty
+from engine.fl.training_options import LR_SCHEDULES, SEGMENTATION_LOSSES, SELECTOR_BN_MODES
 from engine.fl.weights import Weights, clone_weights
 from engine.models import build_segmentation_net, build_selector
 from engine.models.selector import SELECTOR_WIDTHS
@@ -52,10 +53,6 @@ ProgressFn = Callable[[dict[str, Any]], None]
 CancelFn = Callable[[], bool]
 
 
-#: Learning-rate schedules over rounds (:func:`scheduled_lr`).
-LR_SCHEDULES = ("constant", "cosine", "step")
-#: Segmentation losses (:func:`segmentation_loss`).
-SEGMENTATION_LOSSES = ("dice", "dicece")
 
 
 def scheduled_lr(lr: float, schedule: str, rnd: int, rounds: int, min_ratio: float = 0.01) -> float:
@@ -99,8 +96,6 @@ def segmentation_loss(name: str = "dice") -> torch.nn.Module:
     raise ConfigError(f"unknown loss {name!r}; choose from {', '.join(SEGMENTATION_LOSSES)}")
 
 
-#: Selector BatchNorm during local training (``LocalTrainingConfig.selector_bn``).
-SELECTOR_BN_MODES = ("batch", "running", "fresh")
 
 @dataclass(frozen=True)
 class LocalTrainingConfig:

@@ -29,23 +29,16 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from engine.errors import ConfigError, WeightsError
+from engine.errors import WeightsError
+from engine.fl.method_spec import DEFAULT_WIRE_PRECISION, WIRE_PRECISIONS, check_wire_precision
 
-#: ``wire_precision`` values: ``"bfloat16"`` (the default) or ``"float32"`` (every tensor as it is).
-WIRE_PRECISIONS = ("bfloat16", "float32")
-DEFAULT_WIRE_PRECISION = "bfloat16"
+__all__ = ["DEFAULT_WIRE_PRECISION", "WIRE_PRECISIONS", "DownCache", "check_wire_precision", "decode_down",
+           "decode_up", "encode_down", "encode_up"]
+
 WIRE_DTYPE = torch.bfloat16
 
 Weights = dict[str, torch.Tensor]
 WeightSet = dict[str, Weights]
-
-
-def check_wire_precision(value: object) -> str:
-    """``value`` if it is one of :data:`WIRE_PRECISIONS`, else :class:`ConfigError`."""
-    if value not in WIRE_PRECISIONS:
-        raise ConfigError(f"wire_precision must be one of {', '.join(WIRE_PRECISIONS)}, got {value!r} "
-                          "(bfloat16 halves the bytes each way; float32 sends every tensor as it is)")
-    return str(value)
 
 
 def _compressible(tensor: torch.Tensor) -> bool:

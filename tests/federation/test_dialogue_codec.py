@@ -91,13 +91,13 @@ def test_bounds_leave_blackfed_to_the_consent_unless_the_site_listed_its_own_met
     from types import SimpleNamespace
 
     from engine.federation.flower.site import site_bounds
+    from engine.federation.spec import MethodSpec
 
     agreed = site_bounds(SimpleNamespace(bounds={}, share_activations=True))
     own = site_bounds(SimpleNamespace(bounds={"allowed_methods": ["fedavg"]}, share_activations=True))
-    assert own.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3, "selector_lr": 1e-5,
-                           "image_size": 32, "batch_size": 4})  # the operator's own list wins
-    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
-                              "selector_lr": 1e-5, "image_size": 32, "batch_size": 4}) == []
+    spec = MethodSpec(method="blackfed-v2", task="fundus", site_names=("a", "b"), rounds=1, image_size=32,
+                      batch_size=4, selector_lr=1e-5).as_dict()
+    assert own.violations(spec)  # the operator's own list wins
+    assert agreed.violations(spec) == []
     # a spec leaving selector_lr to the scheme's default (None) is checked with that default
-    assert agreed.violations({"method": "blackfed-v2", "rounds": 1, "epochs": 1, "lr": 1e-3,
-                              "selector_lr": None, "image_size": 32, "batch_size": 4}) == []
+    assert agreed.violations({**spec, "selector_lr": None}) == []

@@ -4,7 +4,8 @@ Coordinator (in this process) and two ``fedsm site`` processes, TLS, enrolled ke
 one round at 32 px. site2's site.toml allows only FedSM: its SuperNode checks the run's signed
 settings when the first message arrives and answers with an error without pulling a single
 object of the payload (checked on every request the sites sent, as recorded by the fleet
-listener); the round completes with site1, which shows the signed settings to its operator.
+listener); the round completes with site1, which shows the signed settings to its operator and
+records the run's signed run id with Flower's run id (the one it accepted; site2 records none).
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ def test_a_site_refuses_a_run_beyond_its_bounds_before_pulling_any_payload(fed_d
     assert not any(e["event"] in ("received", "run_settings", "sent") for e in site2)
     shown = next(e for e in read_events(fed.site_events("site1")) if e["event"] == "run_settings")["settings"]
     assert shown["signed"] is True and shown["method"] == "fedavg" and shown["rounds"] == 1
+    from engine.security.run_spec import RunLedger
+
+    assert RunLedger(tmp_path / "work-site1" / "accepted-runs.json").flower_run(shown["run_id"]) is not None
+    assert RunLedger(tmp_path / "work-site2" / "accepted-runs.json").flower_run(shown["run_id"]) is None
     # Assert: site2's node never pulled an object (the payload); site1's did
     nodes = {e["site"]: e["node"] for e in read_events(fed.server_events) if e["event"] == "connected"}
     pulled_by = [PullObjectRequest.FromString(body).node.node_id

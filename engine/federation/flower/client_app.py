@@ -75,6 +75,8 @@ class SiteWorker:
     after_reply: PendingReport | None = None
     #: the run's settings as the coordinator signed them (engine.security.run_spec); every message must carry them
     signed_spec: str | None = None
+    #: the signed run's session and run id (engine.security.run_spec); every message must carry them too
+    signed_run: tuple[str, str] | None = None
 
     # --- pieces ------------------------------------------------------------------------
     def data(self, task: str, image_size: int, fundus_crop: str = "none") -> SiteData:
@@ -95,10 +97,18 @@ class SiteWorker:
         if ins.site != self.cfg.name:
             raise ConfigError(f"the coordinator addressed this {what} to site {ins.site!r}, but this is "
                               f"{self.cfg.name!r}; check the site name enrolled for this key")
-        if self.signed_spec is not None and ins.spec_json != self.signed_spec:
+        self.check_signed(ins.spec_json, ins.session, ins.run_id, what)
+        return ins
+
+    def check_signed(self, spec_json: str, session: str, run_id: str, what: str = "message") -> None:
+        """Refuse a message whose settings, session or run id differ from the ones the coordinator signed."""
+        if self.signed_spec is not None and spec_json != self.signed_spec:
             raise ConfigError(f"the {what}'s run settings differ from the ones the coordinator signed for this run; "
                               "refusing it")
-        return ins
+        if self.signed_run is not None and (session, run_id) != self.signed_run:
+            raise ConfigError(f"the {what} belongs to run {run_id[:12] or '(none)'}… of session {session[:12]}…, "
+                              f"not to the run the coordinator signed ({self.signed_run[1][:12]}… of session "
+                              f"{self.signed_run[0][:12]}…); refusing it")
 
     def method(self, spec_json: str) -> tuple[FederatedMethod, Any]:
         spec = MethodSpec.from_json(spec_json)
@@ -254,10 +264,7 @@ def evaluate_at_site(worker: SiteWorker, content: RecordDict) -> RecordDict:
 
     from engine.fl.evaluation import dice_per_case, segment_with
 
-    ins = records.decode_instructions(content)
-    if ins.site != worker.cfg.name:
-        raise ConfigError(f"the coordinator addressed this evaluation to site {ins.site!r}, but this is "
-                          f"{worker.cfg.name!r}")
+    ins = worker.addressed_instructions(content, "evaluation")
     method, spec = worker.method(ins.spec_json)
     values: dict[str, float] = {}
     if worker.validate:

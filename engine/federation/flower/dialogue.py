@@ -12,7 +12,8 @@ site's data and private state, and records every reply in the site's outbound le
 
 Request (coordinator -> site, ``train.exchange``)::
 
-    "fedsm"             ConfigRecord   round, rounds, method, spec, session, site, action, config (JSON), exchange
+    "fedsm"             ConfigRecord   round, rounds, method, spec, session, run_id, site, action, config (JSON),
+                                       exchange
     "weights:request"   ArrayRecord    the request's tensors (absent when it has none)
     "layout"            ConfigRecord   tensor names, dtypes, shapes
 
@@ -80,12 +81,12 @@ REPLY_PART = "reply"
 
 # --- encoding --------------------------------------------------------------------------------
 def encode_request(request: Request, *, rnd: int, rounds: int, method: str, spec_json: str, session: str,
-                   site: str, exchange_id: int) -> RecordDict:
-    """The content of one ``train.exchange`` message."""
+                   site: str, exchange_id: int, run_id: str = "") -> RecordDict:
+    """The content of one ``train.exchange`` message (``run_id``: the one the coordinator signed)."""
     from flwr.app import ConfigRecord, RecordDict
 
     info = ConfigRecord({"round": int(rnd), "rounds": int(rounds), "method": method, "spec": spec_json,
-                         "session": session, "site": site, "action": request.action,
+                         "session": session, "run_id": run_id, "site": site, "action": request.action,
                          "config": json.dumps(request.config, sort_keys=True), "exchange": int(exchange_id)})
     parts = {REQUEST_PART: request.tensors} if request.tensors else {}
     return RecordDict({records.INFO: info, **records.weights_records(parts)})
@@ -117,6 +118,7 @@ def decode_request(content: RecordDict) -> tuple[dict[str, Any], Request]:
         raise WeightsError(f"exchange has unexpected records {unknown}")
     try:
         fields = {k: info[k] for k in ("round", "rounds", "method", "spec", "session", "site", "action", "exchange")}
+        fields["run_id"] = str(info.get("run_id", ""))
         config = json.loads(str(info["config"]))
     except (KeyError, ValueError) as exc:
         raise WeightsError(f"malformed exchange ({exc})") from None
@@ -214,7 +216,7 @@ class DialogueRunner(FederationRunner):
             self._check_final_parts(parts)
             content = records.encode_instructions(SiteInstructions(total, parts, {"phase": FINAL_ACTION}),
                                                   rounds=total, method=self.method.name, spec_json=self.spec_json,
-                                                  session=self.session, site=site)
+                                                  session=self.session, site=site, run_id=self.run_id)
             content.config_records[records.INFO]["action"] = FINAL_ACTION
             size = records.record_bytes(content)
             outcome[site] = {"delivered": False, "bytes": size, "parts": sorted(parts)}
@@ -281,7 +283,7 @@ class DialogueRunner(FederationRunner):
                     self.method.check_request(request)  # the coordinator sends only what the method declares
                     content = encode_request(request, rnd=rnd, rounds=total, method=self.method.name,
                                              spec_json=self.spec_json, session=self.session, site=site,
-                                             exchange_id=exchange_id)
+                                             exchange_id=exchange_id, run_id=self.run_id)
                     bytes_to[site] = bytes_to.get(site, 0) + records.record_bytes(content)
                     counts[site] = counts.get(site, 0) + 1
                     messages[site] = self._message(content, online[site], rnd)
@@ -398,6 +400,9 @@ def answer_exchange(worker: Any, content: RecordDict) -> RecordDict:
     if site != worker.cfg.name:
         raise ConfigError(f"the coordinator addressed this exchange to site {site!r}, but this is "
                           f"{worker.cfg.name!r}; check the site name enrolled for this key")
+    check = getattr(worker, "check_signed", None)  # a SiteWorker: the exchange must belong to the signed run
+    if check is not None:
+        check(str(info["spec"]), str(info["session"]), str(info["run_id"]), "exchange")
     method, spec = worker.method(str(info["spec"]))
     if not isinstance(method, ExchangeMethod):
         raise ConfigError(f"method {spec.method!r} is not a dialogue method; the coordinator sent an exchange")

@@ -60,7 +60,7 @@ from engine.federation.flower.local_auth import secret_from_environment
 from engine.federation.flower.memory import freeze_startup_objects, keep_freed_memory
 from engine.federation.flower.request_body import wrap_supernode_runtime_api
 from engine.security.approval import AppNotApproved, app_hash, check_app_approved
-from engine.security.run_spec import RUN_CONFIG_KEY, SiteBounds, verify_envelope
+from engine.security.run_spec import RUN_CONFIG_KEY, RunLedger, SiteBounds, verify_envelope
 
 _GRACE_S = 10.0
 #: Start of the output line by which the SuperNode tells the site process that it refused an app.
@@ -129,10 +129,11 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
     for the coordinator (Flower's own path for a FAB that fails verification) and nothing else
     happens. Approved: Flower's function continues with the same message, run and FAB.
 
-    With ``policy`` (``{"ca_cert": path or None, "bounds": SiteBounds as a dict}``) the run's
-    signed settings are checked the same way, before any payload is pulled
-    (:func:`engine.security.run_spec.verify_envelope`); a refusal prints
-    ``FEDSM-REFUSED-SPEC <reason>``.
+    With ``policy`` (``{"ca_cert": path or None, "bounds": SiteBounds as a dict, "ledger": path}``)
+    the run's signed settings are checked the same way, before any payload is pulled
+    (:func:`engine.security.run_spec.verify_envelope`): signature, bounds, and, the first time
+    the site sees the run, its expiry; the run id is then recorded with this Flower run in the
+    site's ledger. A refusal prints ``FEDSM-REFUSED-SPEC <reason>``.
     """
     from flwr.app import Error, Message
     from flwr.common.constant import ErrorCode
@@ -158,7 +159,7 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
                     reply = Message(Error(ErrorCode.INVALID_FAB, str(exc)), reply_to=message)
                     module._insert_message(reply, state, object_store)
                     return run_id
-                refusal = _refuse_spec(policy, run_info, fab.content)
+                refusal = _refuse_spec(policy, run_info, fab.content, run_id)
                 if refusal is not None:
                     say(f"{REFUSED_SPEC} {refusal}")
                     reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, refusal), reply_to=message)
@@ -176,7 +177,8 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
     module._pull_and_store_message = guarded
 
 
-def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> str | None:
+def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes, flower_run: int | None = None
+                 ) -> str | None:
     """Why the run's signed settings are refused under ``policy`` (``None``: accepted or no policy)."""
     if policy is None:
         return None
@@ -184,7 +186,9 @@ def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes) -> st
     try:
         verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
                         ca_cert=Path(policy["ca_cert"]) if policy.get("ca_cert") else None,
-                        app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")))
+                        app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")),
+                        flower_run=flower_run, ledger=RunLedger(Path(policy["ledger"])) if policy.get("ledger")
+                        else None)
     except FedSMError as exc:  # RunSpecRefused, or unusable bounds: refused either way, never a crash
         return str(exc)
     return None
@@ -235,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-reply-bytes", type=int, default=None,
                         help="SuperLink: largest reply a site may upload (engine.federation.flower.upload_limits)")
     parser.add_argument("--run-policy", default=None,
-                        help="SuperNode: JSON {ca_cert, bounds} against which each run's signed settings are checked")
+                        help="SuperNode: JSON {ca_cert, bounds, ledger} against which each run's signed settings are "
+                             "checked")
     split = argv.index("--") if "--" in argv else len(argv)
     args = parser.parse_args(argv[:split])
     flower_args = argv[split + 1:]

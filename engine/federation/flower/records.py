@@ -2,7 +2,7 @@
 
 Instruction (coordinator -> one site; message type ``train``)::
 
-    "fedsm"             ConfigRecord   round, rounds, method, spec (JSON), session, site, config (JSON)
+    "fedsm"             ConfigRecord   round, rounds, method, spec (JSON), session, run_id, site, config (JSON)
     "weights:<part>"    ArrayRecord    one per part: global, personal, selector, control, personal/<site>,
                                        style_gate (FedSM's last round: site means and precision)
     "layout"            ConfigRecord   per part: JSON list of [tensor name, dtype, shape]
@@ -240,15 +240,18 @@ class Instruction:
     session: str
     site: str
     instructions: SiteInstructions
+    #: the run id the coordinator signed for this run (engine.security.run_spec)
+    run_id: str = ""
 
 
 def encode_instructions(ins: SiteInstructions, *, rounds: int, method: str, spec_json: str, session: str,
-                        site: str, cache: PackCache | None = None) -> RecordDict:
-    """The content of a ``train`` message for ``site``."""
+                        site: str, cache: PackCache | None = None, run_id: str = "") -> RecordDict:
+    """The content of a ``train`` message for ``site`` (``run_id``: the one the coordinator signed)."""
     from flwr.app import ConfigRecord, RecordDict
 
     info = ConfigRecord({"round": int(ins.round), "rounds": int(rounds), "method": method, "spec": spec_json,
-                         "session": session, "site": site, "config": json.dumps(ins.config, sort_keys=True)})
+                         "session": session, "run_id": run_id, "site": site,
+                         "config": json.dumps(ins.config, sort_keys=True)})
     return RecordDict({INFO: info, **weights_records(ins.weights, cache)})
 
 
@@ -265,7 +268,7 @@ def decode_instructions(content: RecordDict) -> Instruction:
         rnd = int(info["round"])  # type: ignore[arg-type]
         return Instruction(rnd, int(info["rounds"]), str(info["method"]),  # type: ignore[arg-type]
                            str(info["spec"]), str(info["session"]), str(info["site"]),
-                           SiteInstructions(rnd, weights, config))
+                           SiteInstructions(rnd, weights, config), str(info.get("run_id", "")))
     except (KeyError, ValueError, TypeError) as exc:
         raise WeightsError(f"malformed instruction ({exc})") from None
 

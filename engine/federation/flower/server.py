@@ -48,7 +48,7 @@ from engine.federation.spec import MethodSpec, build_method
 from engine.fl.registry import EXCHANGE_METHODS
 from engine.inference.guard import site_validation_from_state
 from engine.io.atomic import write_text_atomic
-from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope
+from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope, new_run_id
 from engine.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -309,10 +309,12 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         stale = control.stop_unfinished_runs()
         if stale:
             events.status(f"stopped {len(stale)} run(s) left by an earlier coordinator")
-        # the run's settings, signed with the coordinator's key: sites check them before pulling any payload
-
+        # the run's settings, signed with the coordinator's key: sites check them before pulling any payload;
+        # a fresh run id each start (resumes too), carried by every message and valid for one Flower run
+        run_id = new_run_id()
         envelope = make_envelope(cfg.spec.to_json(), app.hash, session,
-                                 None if insecure else cfg.tls.server_key, None if insecure else cfg.tls.server_cert)
+                                 None if insecure else cfg.tls.server_key, None if insecure else cfg.tls.server_cert,
+                                 run_id=run_id, lifetime_s=cfg.spec_lifetime)
         control.start_run(app.content, {RUN_CONFIG_KEY: envelope})
         token = _acquire_server_task(address, local_secret=secret)
         runtime = RuntimeHttpClient.from_server_address(
@@ -343,6 +345,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         runner = runner_class(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
                               app.hash, cancel=stop, address=cfg.address)
         runner.keep_checkpoints = cfg.keep_checkpoints
+        runner.run_id = run_id
         runner.set_robust(cfg.robust)
         result: dict[str, Any] = {}
         try:

@@ -159,6 +159,8 @@ class FederationRunner:
         self.events = events
         self.checkpoint_path = Path(checkpoint_path)
         self.session = session
+        #: this start's run id, as the coordinator signed it (engine.security.run_spec); in every message
+        self.run_id = ""
         self.app_hash = app_hash
         self.cancel = cancel
         self.address = address
@@ -258,7 +260,7 @@ class FederationRunner:
             ins = SiteInstructions(ins.round, encode_down(ins.weights, wire, encoded), ins.config)
             content = records.encode_instructions(ins, rounds=total, method=self.method.name,
                                                   spec_json=self.spec_json, session=self.session, site=site,
-                                                  cache=packed)
+                                                  cache=packed, run_id=self.run_id)
             bytes_to[site] = records.record_bytes(content)
             messages[site] = Message(content, dst_node_id=online[site], message_type=TRAIN, group_id=str(rnd),
                                      ttl=self.settings.round_timeout)
@@ -429,7 +431,7 @@ def evaluate_request(runner: FederationRunner, state: WeightSet, site: str) -> R
     total = runner.method.total_rounds
     content = records.encode_instructions(SiteInstructions(total, site_weights(state, site), {"phase": ACTION}),
                                           rounds=total, method=runner.method.name, spec_json=runner.spec_json,
-                                          session=runner.session, site=site)
+                                          session=runner.session, site=site, run_id=runner.run_id)
     content.config_records[records.INFO]["action"] = ACTION
     return content
 

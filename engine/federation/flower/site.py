@@ -36,7 +36,15 @@ from engine.federation.flower.processes import ChildProcess, free_port, launcher
 from engine.federation.preflight import CoordinatorWatch, check_port_free, check_site_certificates, check_site_datalist
 from engine.io.masks import set_orientation_tolerance
 from engine.security.approval import AppNotApproved, app_hash, check_app_approved
-from engine.security.run_spec import RUN_CONFIG_KEY, RunSpecRefused, SiteBounds, bounds_dict, describe, verify_envelope
+from engine.security.run_spec import (
+    RUN_CONFIG_KEY,
+    RunLedger,
+    RunSpecRefused,
+    SiteBounds,
+    bounds_dict,
+    describe,
+    verify_envelope,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +63,33 @@ def site_bounds(cfg: SiteConfig) -> Any:
     return SiteBounds.from_dict(cfg.bounds)
 
 
+#: File in the site's work folder that ties each accepted run id to its Flower run (engine.security.run_spec).
+LEDGER_FILE = "accepted-runs.json"
+
+
+def run_ledger(cfg: SiteConfig) -> RunLedger:
+    """The site's record of the runs it accepted (shared by its SuperNode and its task executor)."""
+    return RunLedger(cfg.work_dir / LEDGER_FILE)
+
+
 def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
-    """What a run's signed settings are checked against: the federation CA (none when insecure) and [bounds]."""
+    """What a run's signed settings are checked against: the federation CA (none when insecure), [bounds],
+    and the ledger of accepted runs."""
     return {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
-            "bounds": bounds_dict(site_bounds(cfg))}
+            "bounds": bounds_dict(site_bounds(cfg)), "ledger": str(run_ledger(cfg).path)}
 
 
-def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes) -> dict[str, Any]:
-    """The run's verified settings (:func:`engine.security.run_spec.verify_envelope`) from its run config."""
+def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes,
+                       flower_run: int | None = None) -> dict[str, Any]:
+    """The run's verified settings (:func:`engine.security.run_spec.verify_envelope`) from its run config.
+
+    ``flower_run``: the Flower run the task belongs to; its run id is checked against (and, the
+    first time, recorded in) the site's ledger, so the expiry is checked once per run.
+    """
     return verify_envelope((run_config or {}).get(RUN_CONFIG_KEY),
                            ca_cert=None if insecure or cfg.ca_cert is None else cfg.ca_cert,
-                           app_hash=app_hash(fab), bounds=site_bounds(cfg))
+                           app_hash=app_hash(fab), bounds=site_bounds(cfg), flower_run=flower_run,
+                           ledger=run_ledger(cfg))
 
 
 class SuperNodeSupervisor:
@@ -274,10 +298,12 @@ class TaskExecutor:
             else:
                 try:
                     # the run's signed settings, checked against [bounds] before the payload is pulled
-                    settings = check_run_settings(self.cfg, self.insecure, context.run_config, task.fab.content)
+                    settings = check_run_settings(self.cfg, self.insecure, context.run_config, task.fab.content,
+                                                  int(context.run_id))
                     if not self._announce(settings):
                         raise RunSpecRefused(f"the operator of site {self.cfg.name} declined this run's settings")
                     self.worker.signed_spec = settings["spec_json"]
+                    self.worker.signed_run = (settings["session"], settings["run_id"])
                 except (RunSpecRefused, ConfigError) as exc:
                     release_task_message(client, task)
                     self.events.error(str(exc))
