@@ -35,6 +35,7 @@ import numpy as np
 
 from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
 from engine.errors import FedSMError
+from engine.io.guard import open_image
 from engine.io.label_conventions import DATALIST_KEY, convention_for
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,8 @@ def label_map_reason(path: Path, volumetric: bool) -> str | None:
 
 
 def _photo_reason(path: Path) -> str | None:
-    from PIL import Image
-
-    with Image.open(path) as img:
+    # open_image checks the declared size (and what else a decoder would allocate) before any pixel is read.
+    with open_image(path, "image") as img:
         if img.mode not in ("L", "P", "1", "I;16", "I"):
             return None
         if img.width * img.height > 64_000_000:
