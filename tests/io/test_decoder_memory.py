@@ -254,3 +254,27 @@ def test_frame_header_bound_is_derived_from_the_header() -> None:
     assert (one_tile.size, one_tile.components, one_tile.tiles, one_tile.precisions) == ((64, 64), 1, 1, (16,))
     tiled = codestream.parse_j2k(hf.j2k_with_siz(hf.j2k_codestream(64, 64), tile_width=16, tile_height=16))
     assert tiled.tiles == 16
+
+
+def test_dicom_seg_with_a_run_length_bomb_frame_is_refused(tmp_path: Path) -> None:
+    from pydicom.encaps import encapsulate
+    from synthetic_dicom import write_series
+
+    from engine.io.dicom_seg import read_dicom_seg, write_dicom_seg
+    from engine.io.study import LabelMap
+
+    # Prepare: a real SEG of a 64x64x2 series, its frames swapped for RLE segments that decode to 64x their size
+    write_series(tmp_path / "s", rows=64, columns=64, slices=2)
+    study = open_study(tmp_path / "s")
+    labels = np.zeros(study.shape, np.uint8)
+    labels[10:20, 10:20, :] = 1
+    path = write_dicom_seg(study, LabelMap(labels, {1: "gland"}), tmp_path / "seg.dcm")
+    seg = pydicom.dcmread(path)
+    frames = int(seg.NumberOfFrames)
+    seg.file_meta.TransferSyntaxUID = RLE
+    seg.PixelData = encapsulate([hf.rle_bomb_frame(1, 256 << 10)] * frames)
+    seg.save_as(path, enforce_file_format=True)
+    # Execute / Assert: refused before highdicom decodes a frame
+    with pytest.raises(DataError, match=rf"seg\.dcm: frame 1 of {frames}: RLE segment 1 holds 262,144 compressed "
+                                        r"bytes for the 4,096 bytes"):
+        read_dicom_seg(path, study)
