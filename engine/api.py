@@ -45,6 +45,7 @@ __all__ = [
     "export_mask",
     "infer",
     "list_series",
+    "mask_file_stem",
     "open_mask",
     "open_study",
     "preload_super_model",
@@ -128,28 +129,45 @@ def build_datalist(images_dir: Path, masks_dir: Path, out: Path, **options: Any)
 
 def infer(model: Path, input_path: Path, out_dir: Path, gamma: float | None = None, device: str = "auto",
           progress: Callable[[int, int], None] | None = None, cancel: Callable[[], bool] | None = None,
-          mask_format: str | None = None, force_model: str | None = None, site: str | None = None
-          ) -> dict[str, Any]:
+          mask_format: str | None = None, force_model: str | None = None, site: str | None = None,
+          keep_names: bool = False, name_map: Path | None = None) -> dict[str, Any]:
     """Segment a photo, a volume, a DICOM series or a folder of them; masks as ``mask_format``; see ``fedsm infer``.
 
     ``force_model`` (``"global"`` or a site name) sends every image to that model instead of routing.
     ``site``: which site's client net a split-network (BlackFed) bundle uses (required there; the
-    same as ``force_model`` with the site's name).
+    same as ``force_model`` with the site's name). Masks and ``routing.json`` name each input by the
+    hash of its content (``case-3f2a9c01d4``) unless ``keep_names``; ``name_map``: a file to write
+    which case is which input to.
     """
     from engine.inference.run import infer_path
 
     return infer_path(Path(model), Path(input_path), Path(out_dir), gamma=gamma, device=device, progress=progress,
-                      cancel=cancel, mask_format=mask_format, force_model=force_model or site)
+                      cancel=cancel, mask_format=mask_format, force_model=force_model or site,
+                      keep_names=keep_names, name_map=name_map)
+
+
+def mask_file_stem(study: Study, keep_names: bool = False) -> str:
+    """The name a mask of ``study`` gets before ``_mask.<ext>``: ``case-`` + the hash of its files' content,
+    or with ``keep_names`` the source's own name (``case7.nii.gz`` -> ``case7``). Hashing reads the
+    study's files: call it off the GUI thread."""
+    from engine.io.privacy import mask_stem
+
+    return mask_stem(study, keep_names)
 
 
 def evaluate(model: Path, datalists: list[Path], split: str = "testing", model_choice: str = "routed",
              gamma: float | None = None, device: str = "auto",
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Dice and HD95 of a bundle against the expert masks of site datalists (``fedsm evaluate``)."""
+             progress: Callable[[str], None] | None = None, keep_names: bool = False,
+             name_map: Path | None = None) -> dict[str, Any]:
+    """Dice and HD95 of a bundle against the expert masks of site datalists (``fedsm evaluate``).
+
+    Per-image rows name images by the hash of their content unless ``keep_names``.
+    """
     from engine.inference.evaluate import evaluate_bundle
 
     return evaluate_bundle(Path(model), [Path(p) for p in datalists], split=split, model_choice=model_choice,
-                           gamma=gamma, device=device, progress=progress)
+                           gamma=gamma, device=device, progress=progress, keep_names=keep_names,
+                           name_map=name_map)
 
 
 def bundle_sites(path: Path) -> dict[str, Any]:

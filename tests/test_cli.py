@@ -33,9 +33,9 @@ def test_simulate_then_infer(tmp_path):
     masks = tmp_path / "masks"
     assert main(["infer", "--model", str(out / "supermodel.safetensors"), "--input", str(test_image),
                  "--out", str(masks), "--device", "cpu"]) == 0
-    assert (masks / f"{test_image.stem}_mask.png").exists()
     routing = json.loads((masks / "routing.json").read_text())
-    assert routing["inputs"]
+    assert routing["inputs"] and (masks / routing["inputs"][0]["mask"]).exists()
+    assert routing["inputs"][0]["mask"] == f"{routing['inputs'][0]['case']}_mask.png"
     assert all(image["reason"] for item in routing["inputs"] for image in item["images"])
 
 

@@ -1,7 +1,8 @@
-"""What every ``fedsm`` command sets up the same way: logging and torch's CPU threads."""
+"""What every ``fedsm`` command sets up the same way: logging, torch's CPU threads, the naming of outputs."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from pathlib import Path
@@ -27,3 +28,13 @@ def setup_logging(verbose: bool, log_file: Path | None = None) -> None:
         handler = logging.FileHandler(log_file, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root.addHandler(handler)
+
+
+def add_name_options(p: argparse.ArgumentParser) -> None:
+    """``--keep-names`` and ``--name-map`` for commands whose outputs would otherwise name their inputs."""
+    p.add_argument("--keep-names", action="store_true",
+                   help="name outputs after the input files (e.g. DOE^JOHN_mask.png) and list the inputs' paths; "
+                        "default: each input is a case named by the hash of its content (case-3f2a9c01d4), since "
+                        "file names often name patients")
+    p.add_argument("--name-map", type=Path, default=None, metavar="FILE",
+                   help="also write which case is which input to FILE (JSON); keep it apart from the outputs")

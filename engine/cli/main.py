@@ -20,7 +20,7 @@ from typing import Any
 
 import engine
 from engine import api, catalogue
-from engine.cli.common import set_threads, setup_logging
+from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.errors import CancelledError, ConfigError, FedSMError
 
 log = logging.getLogger("engine.cli")
@@ -216,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", default=None,
                    help="BlackFed (split-network) bundles: whose client net to use; super models: use that "
                         "site's personalized model instead of routing")
+    add_name_options(p)
     add_threads_option(p)
 
     for name in COMMAND_MODULES:
@@ -293,14 +294,18 @@ def _run(args: argparse.Namespace) -> int:
         choice = args.model_choice.strip()
         force = None if choice == "routed" else choice.removeprefix("personal:")
         summary = api.infer(args.model, args.input, args.out, gamma=args.gamma, device=args.device,
-                            mask_format=args.mask_format, force_model=args.site or force)
+                            mask_format=args.mask_format, force_model=args.site or force,
+                            keep_names=args.keep_names, name_map=args.name_map)
+        # Each input as routing.json names it: its case (the hash of its content) unless --keep-names.
         for item in summary.get("inputs", []):
             models = [s["model"] for s in item.get("slices", item.get("images", []))]
-            print(f"{item.get('input')}: {item.get('mask')} ({len(models)} image(s); "
+            print(f"{item.get('input', item.get('case'))}: {item.get('mask')} ({len(models)} image(s); "
                   f"routed to {', '.join(sorted(set(models)))})")
         for item in summary.get("skipped", []):
-            print(f"skipped {item['input']}: {item['reason']}")
+            print(f"skipped {item.get('input', item.get('case'))}: {item['reason']}")
         print(f"routing written to {args.out / 'routing.json'}")
+        if args.name_map is not None:
+            print(f"which case is which input: {args.name_map} (keep it apart from the outputs you share)")
         return 0
     raise AssertionError(args.command)
 

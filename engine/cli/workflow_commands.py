@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from engine import api
-from engine.cli.common import set_threads, setup_logging
+from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.cli.data_commands import add_allow_outside
 from engine.cli.main import add_threads_option
 from engine.errors import ConfigError
@@ -104,6 +104,7 @@ def register_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the full report here")
     add_allow_outside(p)
+    add_name_options(p)
 
     add_threads_option(p)
     p.set_defaults(handler=evaluate_command)
@@ -120,7 +121,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.json}: is a folder; give a file name, e.g. {args.json / 'evaluation.json'}")
     with outside_paths_allowed(args.allow_outside):
         report = api.evaluate(args.model, args.datalist, split=args.split, model_choice=args.model_choice,
-                              gamma=args.gamma, device=args.device)
+                              gamma=args.gamma, device=args.device, keep_names=args.keep_names,
+                              name_map=args.name_map)
     print(format_evaluation(report))
     if args.json is not None:
         _json_out(args.json, report)

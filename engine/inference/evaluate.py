@@ -21,6 +21,7 @@ site's own personalized model, matched by the datalist's ``name``; the oracle ro
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import warnings
@@ -33,7 +34,9 @@ import numpy as np
 from engine.data.datalist import load_datalist_with_info
 from engine.data.preprocess import label_channels, read_task_channels
 from engine.errors import ConfigError, DataError
+from engine.io.atomic import write_text_atomic
 from engine.io.label_conventions import DATALIST_KEY, convention_for
+from engine.io.privacy import neutral_name
 from engine.io.readers import open_study
 from engine.tasks import get_task
 
@@ -117,8 +120,14 @@ def _force_for(choice: str, site: str, site_names: Sequence[str]) -> str | None:
 
 def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str = "testing",
                     model_choice: str = "routed", gamma: float | None = None, device: str = "auto",
-                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    progress: Callable[[str], None] | None = None, keep_names: bool = False,
+                    name_map: PathLike | None = None) -> dict[str, Any]:
     """Evaluate a bundle on site datalists (see the module docstring); a JSON-able report.
+
+    Per-image rows name each image by the hash of its content (``"case": "case-3f2a9c01d4"``,
+    :func:`engine.io.privacy.neutral_name`), since file names often name patients; ``keep_names``
+    records the image and mask paths instead (``"image"``, ``"label"``). ``name_map``: a file to
+    write ``{case: image path}`` to (JSON).
 
     Returns
     -------
@@ -169,15 +178,22 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
         sites.append((str(name), path, entries, convention))
 
     labels = list(task.label_names)
+    cases: dict[str, str] = {}  # case -> image, for name_map
     rows: list[dict[str, Any]] = []
     per_choice: dict[str, dict[str, Any]] = {c: {"sites": {}} for c in choices}
     for name, path, entries, convention in sites:
         site_rows: dict[str, list[dict[str, Any]]] = {c: [] for c in choices}
-        for entry in entries:
+        for number, entry in enumerate(entries, start=1):
             image_path = Path(entry["image"])
             if progress is not None:
-                progress(f"{name}: {image_path.name}")
+                progress(f"{name}: {image_path.name}" if keep_names else f"{name}: image {number} of {len(entries)}")
             study = open_study(image_path)
+            if keep_names:
+                named: dict[str, Any] = {"image": str(image_path), "label": str(entry["label"])}
+            else:
+                case = neutral_name(study)
+                cases.setdefault(case, str(image_path))
+                named = {"case": case}
             truth = read_task_channels(task, entry["label"], study, convention)
             spacing = tuple(float(s) for s in study.spacing)
             for choice in choices:
@@ -185,7 +201,7 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
                 pred = label_channels(task, seg.labels.array)
                 dice, hd = structure_metrics(pred, truth, spacing)
                 records = seg.records
-                row = {"choice": choice, "site": name, "image": str(image_path), "label": str(entry["label"]),
+                row = {"choice": choice, "site": name, **named,
                        "dice": dict(zip(labels, dice, strict=True)), "hd95": dict(zip(labels, hd, strict=True)),
                        "models": seg.models_used,
                        # the selector's confidence means something only where it chose the model
@@ -209,9 +225,12 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
             "dice": {lb: _mean([s["dice"][lb] for s in doc["sites"].values()]) for lb in labels},
             "hd95": {lb: _mean([s["hd95"][lb] for s in doc["sites"].values()]) for lb in labels},
         }
-    return {"schema": SCHEMA, "bundle": {"name": loaded.name, "sha256": loaded.sha256, "method": meta.method,
-                                          "task": meta.task, "sites": list(meta.site_names), "routing": meta.routing,
-                                          "gamma": meta.gamma if gamma is None else gamma},
+    if name_map is not None:
+        write_text_atomic(Path(name_map), json.dumps(cases, indent=2) + "\n")
+    return {"schema": SCHEMA, "names": "kept" if keep_names else "neutral",
+            "bundle": {"name": loaded.name, "sha256": loaded.sha256, "method": meta.method,
+                       "task": meta.task, "sites": list(meta.site_names), "routing": meta.routing,
+                       "gamma": meta.gamma if gamma is None else gamma},
             "split": split, "labels": labels, "hd95_unit": "mm" if task.volumetric else "pixels",
             "choices": per_choice, "images": rows}
 
@@ -248,5 +267,6 @@ def format_evaluation(report: dict[str, Any]) -> str:
         models = ", ".join(f"{m}" + (f" x{n}" if n > 1 else "") for m, n in r["models"].items())
         how = "routed to" if r["confidence"] is not None else "segmented by"
         conf = "" if r["confidence"] is None else f" (selector confidence {r['confidence']:.2f})"
-        lines.append(f"  {r['choice']:<9} {r['site']}: {Path(r['image']).name}: Dice {dice}; {how} {models}{conf}")
+        shown = r["case"] if "case" in r else Path(r["image"]).name
+        lines.append(f"  {r['choice']:<9} {r['site']}: {shown}: Dice {dice}; {how} {models}{conf}")
     return "\n".join(lines)

@@ -5,6 +5,15 @@ segments each through :func:`engine.inference.study.segment_with` (the path the 
 too) and writes one mask per input through :func:`engine.io.export.export_mask`, with its
 provenance, beside a ``routing.json`` that says, per image or slice, which model segmented it and
 how sure the selector was.
+
+File names often name patients (``DOE^JOHN_1970-01-01.png``), so by default nothing written or
+printed names an input: each input is a *case* named by the hash of its content
+(:func:`engine.io.privacy.neutral_name`, e.g. ``case-3f2a9c01d4``), its mask is
+``<case>_mask.<ext>``, and ``routing.json``, the printed summary and the log say the case.
+``keep_names`` (``fedsm infer --keep-names``) names masks and records after the inputs instead;
+``name_map`` writes which case is which input to a file the user chose (kept apart from outputs
+that are shared). Error messages still name the file that has the problem: they are for the person
+who runs the command.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from engine.inference.screening import screen_inputs, task_warnings
 from engine.inference.study import LoadedBundle, load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
 from engine.io.export import export_mask
-from engine.io.privacy import public_path
+from engine.io.privacy import content_name, neutral_name, public_path
 from engine.io.provenance import utc_now
 from engine.io.readers import detect_format, list_series, open_study
 from engine.io.study import Study
@@ -147,8 +156,10 @@ def _resolve_format(fmt: str | None, volumetric: bool) -> str:
     return fmt
 
 
-def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: str | None) -> None:
-    """Fail before any work when an input does not suit the bundle, the format, or two masks collide."""
+def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: str | None,
+                  keep_names: bool) -> None:
+    """Fail before any work when an input does not suit the bundle, the format, or two masks named after
+    their inputs collide (neutral names of different content differ; equal content is numbered)."""
     for item in inputs:
         # A DICOM series is a volume or a (colour) photo; read it to know, expect the task's kind.
         volumetric = task.volumetric if item.volumetric is None else item.volumetric
@@ -170,6 +181,8 @@ def _check_inputs(inputs: list[_Input], task: TaskSpec, bundle_name: str, fmt: s
                 f"{item.describe()}: a DICOM SEG must reference a DICOM series and this input is not one; "
                 "use --format nifti"
             )
+    if not keep_names:
+        return
     by_mask: dict[str, list[str]] = {}
     for item in inputs:
         expected = task.volumetric if item.volumetric is None else item.volumetric
@@ -195,6 +208,8 @@ def infer_path(
     batch_size: int = 16,
     mask_format: str | None = None,
     force_model: str | None = None,
+    keep_names: bool = False,
+    name_map: PathLike | None = None,
 ) -> dict[str, Any]:
     """Segment a photo, a volume, a DICOM series, or every such input in a folder.
 
@@ -209,10 +224,10 @@ def infer_path(
         objects are masks and skipped). Volumes are segmented as axial slices of their canonical
         RAS+ form (:mod:`engine.io.study`) in one batched call.
     out_dir
-        Created if needed. Receives ``<stem>_mask.<ext>`` per input (``<stem>`` is the file name
-        without suffix, or the DICOM folder's name, plus the series description and UID tail
-        when a folder holds several series), provenance sidecars for NIfTI and DICOM SEG masks
-        (see :mod:`engine.io.export`), and ``routing.json``.
+        Created if needed. Receives ``<case>_mask.<ext>`` per input (``<case>``: ``case-`` and 10
+        hex digits of the SHA-256 of the input's files, ``-2``, ``-3`` ... added for inputs of equal
+        content), provenance sidecars for NIfTI and DICOM SEG masks (see :mod:`engine.io.export`),
+        and ``routing.json``.
     gamma
         Routing threshold; ``None`` uses the bundle's. Ignored by FedSM-extra bundles.
     device
@@ -231,13 +246,22 @@ def infer_path(
     force_model
         ``None`` routes every image with the selector; ``"global"`` or a site's name sends every
         image to that model (``fedsm infer --model-choice``).
+    keep_names
+        Name masks ``<stem>_mask.<ext>`` after their inputs (``<stem>``: the file name without
+        suffix, or the DICOM folder's name, plus the series description and UID tail when a
+        folder holds several series) and record each input's path in ``routing.json``; off by
+        default (see the module docstring).
+    name_map
+        A file to write ``{case: input}`` to (JSON, the input relative to ``input_path``, plus the
+        series UID of a DICOM series); nothing is written when ``None``.
 
     Returns
     -------
     dict
-        The content of ``routing.json``: bundle path and SHA-256, gamma, device, and per input
-        its mask file, format and one record per image or slice (index, model, confidence,
-        probabilities by name, runner-up).
+        The content of ``routing.json``: bundle path and SHA-256, gamma, device, ``names``
+        (``"neutral"`` or ``"kept"``), and per input its case (or, keeping names, its path), mask
+        file, format and one record per image or slice (index, model, confidence, probabilities
+        by name, runner-up).
 
     Raises
     ------
@@ -265,7 +289,14 @@ def infer_path(
     loaded: LoadedBundle = load_predictor(bundle_file, device)
     meta = loaded.predictor.metadata
     task = get_task(meta.task)  # known: load_bundle validated the metadata
-    _check_inputs(inputs, task, loaded.name, mask_format)
+    _check_inputs(inputs, task, loaded.name, mask_format, keep_names)
+    if keep_names:
+        for entry in skipped:
+            log.warning("skipped %s: %s", entry["input"], entry["reason"])
+    else:  # a skipped file (of the input folder) is a case too: its content's hash, not its name
+        skipped = [{"case": content_name([source / entry["input"]]), "reason": entry["reason"]} for entry in skipped]
+        for entry in skipped:
+            log.warning("skipped %s: %s", entry["case"], entry["reason"])
 
     hints = [_slices_hint(item.path) if item.volumetric else item.slices_hint
              for item in inputs]
@@ -277,6 +308,7 @@ def infer_path(
             progress(min(offset + done, total), total)
 
     records: list[dict[str, Any]] = []
+    cases: dict[str, str] = {}  # case -> the input, for name_map
     out.mkdir(parents=True, exist_ok=True)
     for n, item in enumerate(inputs):
         study = _open(item, cancel)
@@ -285,27 +317,36 @@ def infer_path(
         seg = segment_with(loaded, study, gamma=gamma, batch_size=batch_size, progress=relay, cancel=cancel,
                            force_model=force_model)
         offset += 2 * study.num_slices
-        notes = [*warnings.get(str(item.path), []), *task_warnings(study, task)]
+        # Relative to the input the user named (folders may name patients): no absolute path.
+        shown = public_path(item.path, source)
+        case = ""
+        if not keep_names or name_map is not None:  # hashing reads the input's files once more
+            case = _unique(neutral_name(study), cases)
+            cases[case] = shown + (f" (series {item.series_uid})" if item.is_dicom else "")
+        label = shown if keep_names else case
+        notes = [f"{label}: {note}" for note in warnings.get(str(item.path), [])]
+        notes += task_warnings(study, task, where=label)
         for note in notes:
             log.warning("%s", note)
         fmt = _resolve_format(mask_format, study.kind == "volume")
-        mask_path = export_mask(study, seg.labels, out / item.mask_name(fmt), seg.provenance())
-        record: dict[str, Any] = {
-            # Relative to the input the user named (folders may name patients): no absolute path.
-            "input": public_path(item.path, source),
+        mask_name = item.mask_name(fmt) if keep_names else f"{case}_mask{MASK_FORMATS[fmt]}"
+        mask_path = export_mask(study, seg.labels, out / mask_name, seg.provenance())
+        record: dict[str, Any] = {"input": shown} if keep_names else {"case": case}
+        record.update({
             "mask": mask_path.name,
             "format": fmt,
             "kind": "volume" if study.kind == "volume" else "image",
             "shape": list(study.shape),
             "models_used": seg.models_used,
             "images": [r.to_dict() for r in seg.records],
-        }
+        })
         if notes:
             record["warnings"] = notes
-        if item.is_dicom:
+        # A series without a UID is keyed by its folder and description (names, maybe): kept names only.
+        if item.is_dicom and (keep_names or not str(item.series_uid).startswith("nouid:")):
             record["series_uid"] = item.series_uid
         records.append(record)
-        log.info("segmented %s -> %s", item.describe(), mask_path)
+        log.info("segmented %s -> %s", label, mask_path.name)
 
     result: dict[str, Any] = {
         "bundle": {"path": bundle_file.name, "sha256": loaded.sha256},
@@ -318,6 +359,7 @@ def infer_path(
         "mixed_precision": loaded.predictor.use_amp,
         "created": utc_now(),
         "engine_version": engine.__version__,
+        "names": "kept" if keep_names else "neutral",
         "inputs": records,
     }
     extra = getattr(meta, "extra", None) or {}  # a split bundle's view has none
@@ -326,4 +368,16 @@ def infer_path(
     if skipped:
         result["skipped"] = skipped
     write_text_atomic(out / ROUTING_FILE, json.dumps(result, indent=2, allow_nan=False) + "\n")
+    if name_map is not None:
+        write_text_atomic(Path(name_map), json.dumps(cases, indent=2) + "\n")
     return result
+
+
+def _unique(case: str, taken: dict[str, str]) -> str:
+    """``case``, or ``case-2``, ``case-3`` ... when an earlier input of the run had the same content."""
+    if case not in taken:
+        return case
+    n = 2
+    while f"{case}-{n}" in taken:
+        n += 1
+    return f"{case}-{n}"

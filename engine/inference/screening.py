@@ -35,6 +35,7 @@ import numpy as np
 
 from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
 from engine.errors import FedSMError
+from engine.io.guard import open_image
 from engine.io.label_conventions import DATALIST_KEY, convention_for
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,8 @@ def label_map_reason(path: Path, volumetric: bool) -> str | None:
 
 
 def _photo_reason(path: Path) -> str | None:
-    from PIL import Image
-
-    with Image.open(path) as img:
+    # open_image checks the declared size (and what else a decoder would allocate) before any pixel is read.
+    with open_image(path, "image") as img:
         if img.mode not in ("L", "P", "1", "I;16", "I"):
             return None
         if img.width * img.height > 64_000_000:
@@ -119,10 +119,14 @@ def _volume_reason(path: Path) -> str | None:
     return None
 
 
-def task_warnings(study: Any, task: Any) -> list[str]:
-    """Ways the opened study does not look like the images the bundle's task was trained on."""
+def task_warnings(study: Any, task: Any, where: str | None = None) -> list[str]:
+    """Ways the opened study does not look like the images the bundle's task was trained on.
+
+    Each warning starts with ``where`` (what the caller calls the input: its case name, or its
+    path when names are kept); default: the study's source.
+    """
     out: list[str] = []
-    where = study.source or "the input"
+    where = where or str(study.source or "the input")
     if task.volumetric:
         modality = (study.modality or "").upper()
         if modality and modality != "MR":
@@ -148,7 +152,9 @@ def screen_inputs(inputs: list[Any], source: Path) -> tuple[list[Any], list[dict
     """Split a run's inputs into those to segment, those skipped (with reasons) and per-input warnings.
 
     ``inputs`` are :mod:`engine.inference.run`'s ``_Input`` objects (``path``, ``volumetric``,
-    ``is_dicom``). For a folder, masks are skipped; for a single named file, the reasons become warnings.
+    ``is_dicom``). For a folder, masks are skipped (``{"input": file name, "reason"}``); for a
+    single named file, the reasons become warnings (``"looks like ..."``, keyed by the path), which
+    the caller prefixes with what it calls the input.
     """
     folder = source if source.is_dir() else source.parent
     masks = datalist_labels(folder)
@@ -167,9 +173,8 @@ def screen_inputs(inputs: list[Any], source: Path) -> tuple[list[Any], list[dict
         if reason is None:
             keep.append(item)
         elif source.is_dir():
-            skipped.append({"input": item.path.name, "reason": reason})
-            log.warning("skipped %s: %s", item.path, reason)
+            skipped.append({"input": item.path.name, "reason": reason})  # the caller logs it, named or not
         else:
             keep.append(item)
-            warnings.setdefault(str(item.path), []).append(f"{item.path.name}: looks like {reason}")
+            warnings.setdefault(str(item.path), []).append(f"looks like {reason}")
     return keep, skipped, warnings

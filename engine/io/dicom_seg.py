@@ -30,6 +30,7 @@ import numpy as np
 import engine
 from engine.errors import DataError
 from engine.io.atomic import atomic_path
+from engine.io.codestream import FrameHeader, check_compressed_frames
 from engine.io.dicom_series import SEG_SOP_CLASS, read_header
 from engine.io.guard import check_dicom_inflate, check_pixel_budget, dicom_damage
 from engine.io.provenance import Provenance
@@ -471,7 +472,8 @@ def _source_planes(study: Study) -> dict[str, PlaneGeometry]:
 
 
 def _check_pixel_data(seg: Any, frames: int, path: Path) -> None:
-    """Refuse a SEG without pixel data, or whose uncompressed pixel data is shorter than its frames need.
+    """Refuse a SEG without pixel data, whose uncompressed pixel data is shorter than its frames need, or
+    whose compressed frames disagree with its header (:func:`engine.io.codestream.check_compressed_frames`).
 
     pydicom reads a value cut short by the end of the file without complaint, so a truncated SEG
     would otherwise fail deep in highdicom's frame decoding, or only for its last frames.
@@ -490,6 +492,12 @@ def _check_pixel_data(seg: Any, frames: int, path: Path) -> None:
     if not compressed and len(data) < needed:
         raise DataError(f"{path}: the SEG's pixel data is truncated ({len(data)} of the {needed} bytes its {frames} "
                         "frames need); export or copy the SEG again")
+    if compressed:
+        # A decoder allocates what each frame's codestream declares: check it against the header first.
+        with dicom_damage(path):
+            header = FrameHeader(int(seg.Rows), int(seg.Columns), int(seg.get("SamplesPerPixel", 1) or 1),
+                                 int(seg.BitsAllocated))
+            check_compressed_frames(path, data, header, frames, str(seg.file_meta.TransferSyntaxUID))
 
 
 def _read_frame(seg: Any, frame: int, frames: int, seg_type: str, sources: Callable[[], dict[str, PlaneGeometry]],

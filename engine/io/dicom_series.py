@@ -58,7 +58,8 @@ from typing import Any
 import numpy as np
 
 from engine.errors import CancelledError, DataError
-from engine.io.guard import check_dicom_inflate, check_pixel_budget, codestream_size, dicom_damage
+from engine.io.codestream import FrameHeader, check_compressed_frames, check_native_length
+from engine.io.guard import DEFLATED_SYNTAX, check_dicom_inflate, check_pixel_budget, dicom_damage
 from engine.io.study import SeriesInfo, SourceGrid, Study
 from engine.io.volumes import LPS_TO_RAS, MAX_VOXELS, canonical_layout, robust_window, voxel_spacing
 
@@ -210,9 +211,13 @@ def _check_complete(path: Path, ds: Any) -> None:
                         "series again")
     # pydicom stops at the element the file ends in, the last one read (tag order is file order);
     # a few from the end cover elements it holds in converted form (sequences, deferred pixels).
+    # A deferred value (pixel data) stays on disk: only its length and offset are looked at. In a
+    # deflated file offsets count in the inflated stream, which pydicom holds in memory: values are
+    # read there as before.
+    keep_deferred = str(getattr(meta, "TransferSyntaxUID", "") if meta is not None else "") != DEFLATED_SYNTAX
     checked = 0
     for tag in reversed(list(ds.keys())):
-        raw = ds.get_item(tag)
+        raw = ds.get_item(tag, keep_deferred=keep_deferred)
         length, start = getattr(raw, "length", None), getattr(raw, "value_tell", None)
         if length is None or start is None or length == 0xFFFFFFFF:
             continue
@@ -680,31 +685,32 @@ def _check_series_size(where: str, shape: tuple[int, int, int]) -> None:
 
 
 def _check_pixel_header(item: DicomFile) -> None:
-    """Before any pixel is read: the declared size fits the budget, and a compressed frame's own size matches.
+    """Before any pixel is decoded: the declared size fits the budget, and every frame fits its header.
 
-    A compressed frame (JPEG, JPEG 2000) states its size in its first bytes; a decoder allocates
-    what the codestream says, whatever ``Rows``/``Columns`` claim, so both are checked.
+    A decoder allocates what the compressed frame's own codestream says, whatever ``Rows``/``Columns``
+    claim, so each frame's codestream is parsed and checked against the header
+    (:func:`engine.io.codestream.check_frame`); uncompressed pixel data much longer than the header
+    needs is refused before it is read (:func:`engine.io.codestream.check_native_length`).
     """
     ds = item.dataset
     rows, cols = _ushort(ds, "Rows") or 0, _ushort(ds, "Columns") or 0
-    frames = _int(_ascii(ds, "NumberOfFrames"), 1)
+    frames = _int(_ascii(ds, "NumberOfFrames"), 1) or 1
     bits = _ushort(ds, "BitsAllocated") or 16
     samples = _ushort(ds, "SamplesPerPixel") or 1
-    check_pixel_budget(item.path, rows, cols, frames if frames is not None else 1, bits, samples)
-    if not _is_compressed(item) or "PixelData" not in ds:
+    check_pixel_budget(item.path, rows, cols, frames, bits, samples)
+    if "PixelData" not in ds:
         return
-    from pydicom.encaps import generate_fragments
+    header = FrameHeader(rows, cols, samples, bits)
+    if not _is_compressed(item):
+        length = getattr(ds.get_item("PixelData", keep_deferred=True), "length", None)
+        if isinstance(length, int):
+            check_native_length(item.path, length, header, frames)
+        return
+    check_compressed_frames(item.path, ds.PixelData, header, frames, _transfer_syntax(item))
 
-    data = ds.PixelData
-    if len(data) < 8:
-        raise DataError(f"{item.path}: the compressed pixel data holds {len(data)} bytes; the file is truncated — copy "
-                        "the series again")
-    table = int.from_bytes(data[4:8], "little")  # the Basic Offset Table item comes first
-    fragment = next(iter(generate_fragments(memoryview(data)[8 + table:8 + table + 4104].tobytes())), b"")
-    declared = codestream_size(bytes(fragment[:4096]))
-    if declared is not None and declared != (cols, rows):
-        raise DataError(f"{item.path}: the compressed frame is {declared[0]}x{declared[1]} pixels but the header "
-                        f"says {cols}x{rows}; the file is damaged — copy the series again")
+
+def _transfer_syntax(item: DicomFile) -> str:
+    return str(getattr(getattr(item.dataset, "file_meta", None), "TransferSyntaxUID", "") or "")
 
 
 def _gdcm_first(item: DicomFile) -> bool:

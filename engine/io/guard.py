@@ -4,16 +4,19 @@ Every reader of :mod:`engine.io` (and the bundle reader) goes through these befo
 
 - **JSON** (:func:`load_json`): nesting deeper than :data:`MAX_JSON_DEPTH` is refused before
   :func:`json.loads` could hit Python's recursion limit; text longer than ``max_chars`` too.
-- **Photos and label images** (:func:`open_image`): the size Pillow reads from the header is
-  checked against :data:`MAX_PIXELS` before any pixel is decoded; Pillow's own
-  ``DecompressionBombError``, ``SyntaxError: broken PNG file`` and the many other types its plugins
-  raise on damaged files become :class:`~engine.errors.DataError`.
+- **Photos and label images** (:func:`open_image`): only :data:`PHOTO_FORMATS` are opened (a JPEG
+  2000 file named ``.png`` reaches no decoder); the size Pillow reads from the header is checked
+  against :data:`MAX_PIXELS`, a JPEG's scans and a TIFF's tile size against the image, before any
+  pixel is decoded; Pillow's own ``DecompressionBombError``, ``SyntaxError: broken PNG file`` and the
+  many other types its plugins raise on damaged files become :class:`~engine.errors.DataError`.
 - **DICOM**: a deflated dataset (transfer syntax ``1.2.840.10008.1.2.1.99``) is inflated in
   chunks and discarded, only counting, until it ends or passes :data:`MAX_DICOM_INFLATED_BYTES`
-  (:func:`check_dicom_inflate`); ``Rows x Columns x frames x bytes`` is checked against
+  (:func:`check_dicom_inflate`; at most the pixel bytes the header declares plus
+  :data:`DEFLATED_HEADER_ALLOWANCE`); ``Rows x Columns x frames x bytes`` is checked against
   :data:`MAX_PIXEL_BYTES` before pixel data is read or a buffer reserved (:func:`check_pixel_budget`);
-  a compressed frame's own size (JPEG SOF, JPEG 2000 SIZ) is read from its first bytes and must
-  match the header (:func:`codestream_size`); pydicom's ``BytesLengthException`` and
+  every compressed frame's codestream (JPEG, JPEG-LS, JPEG 2000, RLE) is parsed and checked against
+  the header, and against a decode bound derived from it, by :mod:`engine.io.codestream`;
+  pydicom's ``BytesLengthException`` and
   ``NotImplementedError`` (unknown VR) on a damaged header become DataError
   (:func:`dicom_damage`).
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import DataError, FedSMError
+from engine.io.codestream import MAX_JPEG_SCANS
 
 #: Deepest nesting of JSON read (datalists, bundle metadata, provenance): real files use under 10.
 MAX_JSON_DEPTH = 64
@@ -39,6 +43,8 @@ MAX_PIXELS = 100_000_000
 MAX_DICOM_INFLATED_BYTES = 256 << 20
 #: Largest pixel data one DICOM file may declare, decoded (2 GiB: a 2000-frame 512x512 16-bit CT).
 MAX_PIXEL_BYTES = 2 << 30
+#: What a deflated dataset may inflate to beyond the pixel bytes its header declares (the rest of its header).
+DEFLATED_HEADER_ALLOWANCE = 16 << 20
 DEFLATED_SYNTAX = "1.2.840.10008.1.2.1.99"
 _INFLATE_CHUNK = 1 << 20
 
@@ -110,18 +116,49 @@ PIL_DAMAGE = (OSError, ValueError, SyntaxError, EOFError, struct.error, ZeroDivi
               IndexError, MemoryError, OverflowError)
 
 
+#: The image formats FedSM reads through Pillow (``Image.open(..., formats=...)``): a file of any other
+#: format Pillow knows (JPEG 2000, GIF, PSD, ...) is not opened, whatever its name, so no other decoder runs.
+PHOTO_FORMATS = ("PNG", "JPEG", "MPO", "TIFF", "BMP", "DIB")
+#: A TIFF tile may hold at most this many times the image's pixels (or 1 megapixel, whichever is larger):
+#: libtiff reserves a whole tile's buffer, however small the image it declares.
+MAX_TIFF_TILE_RATIO = 4
+
+
+def _check_declared(path: Path, img: Any, what: str) -> None:
+    """What a photo's decoder will allocate, beyond width x height: JPEG scans, TIFF tiles."""
+    width, height = img.size
+    if img.format in ("JPEG", "MPO"):
+        with path.open("rb") as fh:
+            scans = fh.read().count(b"\xff\xda")
+        if scans > MAX_JPEG_SCANS:
+            raise DataError(f"{path}: the {what} is a JPEG of {scans:,} scans, more than the {MAX_JPEG_SCANS} FedSM "
+                            f"decodes (each scan is a pass over the whole {width}x{height} image); it is damaged or "
+                            "hostile — re-export it as PNG")
+    if img.format == "TIFF":
+        tags = getattr(img, "tag_v2", {})
+        tile = (int(tags.get(322) or 0), int(tags.get(323) or 0))  # TileWidth, TileLength
+        if tile[0] * tile[1] > max(MAX_TIFF_TILE_RATIO * width * height, 1 << 20):
+            raise DataError(f"{path}: the {what} is a {width}x{height} TIFF whose tiles are {tile[0]}x{tile[1]} "
+                            "pixels; a decoder would reserve a whole tile — the file is damaged or hostile, re-export "
+                            "it as PNG")
+
+
 @contextlib.contextmanager
 def open_image(path: Path, what: str = "image", max_pixels: int = MAX_PIXELS) -> Iterator[Any]:
-    """``PIL.Image.open(path)`` whose size is checked before anything is decoded; errors as DataError.
+    """``PIL.Image.open(path)`` whose declared size is checked before anything is decoded; errors as DataError.
 
-    Use the image inside the ``with`` block (``load()``, ``convert()``, ``np.asarray``): decoding
-    errors raised there are translated too. A :class:`DataError` raised inside passes unchanged.
+    Only :data:`PHOTO_FORMATS` are opened. Before any pixel is decoded: width x height against
+    ``max_pixels`` (Pillow stores at most 4 bytes per pixel, so a photo costs at most 400 MB
+    decoded), a JPEG's number of scans against :data:`MAX_JPEG_SCANS`, a TIFF's tile size against
+    its image (:data:`MAX_TIFF_TILE_RATIO`). Use the image inside the ``with`` block (``load()``,
+    ``convert()``, ``np.asarray``): decoding errors raised there are translated too. A
+    :class:`DataError` raised inside passes unchanged.
 
     Raises
     ------
     DataError
-        When the file is not an image Pillow reads, declares more than ``max_pixels`` pixels or
-        none, or is damaged or truncated.
+        When the file is not a PNG, JPEG, TIFF or BMP image, declares more than ``max_pixels``
+        pixels or none, more JPEG scans or larger TIFF tiles than allowed, or is damaged or truncated.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -129,7 +166,8 @@ def open_image(path: Path, what: str = "image", max_pixels: int = MAX_PIXELS) ->
         with warnings.catch_warnings():
             # The size is checked here, before decoding; Pillow's own warning adds nothing.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as img:
+            Image.init()  # registers every plugin, so each of PHOTO_FORMATS can be named
+            with Image.open(path, formats=[f for f in PHOTO_FORMATS if f in Image.OPEN]) as img:
                 width, height = img.size
                 if width * height > max_pixels:
                     raise DataError(f"{path}: the {what} is {width}x{height} pixels ({width * height / 1e6:.1f} "
@@ -137,6 +175,7 @@ def open_image(path: Path, what: str = "image", max_pixels: int = MAX_PIXELS) ->
                                     "downscale it first")
                 if width <= 0 or height <= 0:
                     raise DataError(f"{path}: the {what} has no pixels ({width}x{height}); re-export it")
+                _check_declared(Path(path), img, what)
                 yield img
     except FedSMError:
         raise
@@ -207,15 +246,45 @@ def _meta_transfer_syntax(head: bytes) -> tuple[str, int] | None:
     return syntax, end
 
 
-def check_dicom_inflate(path: Path, limit: int | None = None) -> None:
-    """Refuse a deflated DICOM whose dataset inflates past ``limit`` bytes, counting without keeping it.
+def _declared_pixel_bytes(prefix: bytes) -> int | None:
+    """Pixel bytes an inflated dataset's header declares (Rows x Columns x frames x samples x bytes), from its start.
 
-    Files of any other transfer syntax pass at once (only the first 4 KiB are read).
+    ``None`` when the first bytes do not reach group 0028 or cannot be parsed (the caller then keeps
+    the fixed cap).
+    """
+    import io
+
+    from pydicom.filereader import read_dataset
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds = read_dataset(io.BytesIO(prefix), is_implicit_VR=False, is_little_endian=True,
+                              stop_when=lambda tag, vr, length: tag > 0x00280100)
+            rows, cols = int(ds.get("Rows") or 0), int(ds.get("Columns") or 0)
+            frames = int(ds.get("NumberOfFrames") or 1)
+            samples = int(ds.get("SamplesPerPixel") or 1)
+            bits = int(ds.get("BitsAllocated") or 16)
+    except Exception:  # a prefix cut inside an element, or a damaged header: pydicom reports it later
+        return None
+    if rows <= 0 or cols <= 0:
+        return None
+    return rows * cols * max(frames, 1) * max(samples, 1) * max((bits + 7) // 8, 1)
+
+
+def check_dicom_inflate(path: Path, limit: int | None = None) -> None:
+    """Refuse a deflated DICOM whose dataset inflates past its bound, counting without keeping it.
+
+    The bound is ``limit`` (default :data:`MAX_DICOM_INFLATED_BYTES`), and, when the dataset's
+    first MiB declares an image, the pixel bytes its header declares plus
+    :data:`DEFLATED_HEADER_ALLOWANCE`, whichever is smaller: pydicom inflates the whole dataset
+    into memory, so a 512x512 slice cannot make it hold more than about 17 MiB. Files of any other
+    transfer syntax pass at once (only the first 4 KiB are read).
 
     Raises
     ------
     DataError
-        When the deflated stream inflates past the limit (a "zip bomb") or is not valid deflate data.
+        When the deflated stream inflates past the bound (a "zip bomb") or is not valid deflate data.
     """
     limit = MAX_DICOM_INFLATED_BYTES if limit is None else limit
     try:
@@ -226,16 +295,28 @@ def check_dicom_inflate(path: Path, limit: int | None = None) -> None:
             fh.seek(found[1])
             inflater = zlib.decompressobj(-zlib.MAX_WBITS)
             total = 0
+            prefix: bytearray | None = bytearray()
+            declared: int | None = None
             while not inflater.eof:
                 data = fh.read(_INFLATE_CHUNK)
                 if not data:
                     return  # a truncated stream: pydicom reports it
                 while data and not inflater.eof:
-                    total += len(inflater.decompress(data, _INFLATE_CHUNK))
+                    chunk = inflater.decompress(data, _INFLATE_CHUNK)
+                    total += len(chunk)
+                    if prefix is not None:
+                        prefix += chunk[:_INFLATE_CHUNK - len(prefix)]
+                        if len(prefix) >= _INFLATE_CHUNK or inflater.eof:
+                            declared = _declared_pixel_bytes(bytes(prefix))
+                            prefix = None
+                            if declared is not None:
+                                limit = min(limit, declared + DEFLATED_HEADER_ALLOWANCE)
                     if total > limit:
+                        said = (f", while its header declares {declared:,} bytes of pixels" if declared is not None
+                                else "")
                         raise DataError(f"{path}: the deflate-compressed DICOM dataset inflates to more than "
-                                        f"{limit / 2**20:.0f} MiB (a 'zip bomb'); FedSM does not read it — remove "
-                                        "the file or re-export the series uncompressed")
+                                        f"{limit / 2**20:.0f} MiB (a 'zip bomb'){said}; FedSM does not read it — "
+                                        "remove the file or re-export the series uncompressed")
                     data = inflater.unconsumed_tail
     except zlib.error as exc:
         raise DataError(f"{path}: the deflate-compressed DICOM dataset is damaged ({exc}); copy the series "

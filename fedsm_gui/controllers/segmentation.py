@@ -51,6 +51,9 @@ class SegmentationController:
         view.force_model_requested.connect(self.force_model)
         view.compare_requested.connect(self.compare)
         view.export_requested.connect(self.export)
+        view.keep_names_changed.connect(self.set_keep_names)
+        self._keep_names = False
+        self._name_job: TaskHandle | None = None
         view.strip_slice_requested.connect(self.go_to_slice)
         self.refresh()
         # Which device will run the model, asked at start-up: it also imports torch in a worker
@@ -113,17 +116,39 @@ class SegmentationController:
         self.view.set_cup_to_disc(*values)
 
     def _study_changed(self) -> None:
-        study = self.viewer.study
-        if study is not None:
-            stem = study.source.name.split(".")[0] if study.source is not None else "study"
-            suffix = ".png" if study.kind == "photo" else (".dcm" if study.source_format == "dicom" else ".nii.gz")
-            self.view.set_export_name(f"{stem}_mask{suffix}")
+        self._propose_export_name()
         if self.job is not None and not self.job.done:
             self.job.cancel()
         self._result_study = None
         self._compare_result = None
         self.state.clear_result()
         self._show_cup_to_disc()
+
+    # --- export name ---------------------------------------------------------------------
+    def set_keep_names(self, keep: bool) -> None:
+        """Whether the export dialog proposes the image file's own name (default: a neutral one)."""
+        self._keep_names = bool(keep)
+        self._propose_export_name()
+
+    def _propose_export_name(self) -> None:
+        """``<stem>_mask<suffix>`` for the export dialog; the neutral stem hashes the study's files in a worker."""
+        study = self.viewer.study
+        if study is None:
+            return
+        suffix = ".png" if study.kind == "photo" else (".dcm" if study.source_format == "dicom" else ".nii.gz")
+        keep = self._keep_names
+        self.view.set_export_name(f"mask{suffix}")  # until the name is known
+        if self._name_job is not None and not self._name_job.done:
+            self._name_job.cancel()
+
+        def done(stem: str) -> None:
+            if self.viewer.study is study and self._keep_names == keep:
+                self.view.set_export_name(f"{stem}_mask{suffix}")
+
+        self._name_job = self.tasks.submit(lambda progress, cancel: self.api.mask_file_stem(study, keep_names=keep),
+                                           on_done=done,
+                                           on_error=lambda exc: None if is_cancelled(exc)
+                                           else log.warning("cannot name the mask: %s", exc))
 
     # --- bundle --------------------------------------------------------------------------
     def load_bundle(self, path: str | Path, then: Callable[[], None] | None = None) -> None:

@@ -102,6 +102,7 @@ class SegmentationView:
     force_model_requested = Intent("model: str ('' = routed)")
     compare_requested = Intent("model: str ('' = runner-up of the current slice)")
     export_requested = Intent("path: str")
+    keep_names_changed = Intent("keep: bool (name the exported mask after the image file)")
     strip_slice_requested = Intent("index: int")
 
     def set_metadata(self, path: str | None, metadata: dict[str, Any] | None, message: str = "") -> None:
@@ -146,7 +147,7 @@ class SegmentationView:
         raise NotImplementedError
 
     def set_export_name(self, name: str) -> None:
-        """File name the export dialog proposes."""
+        """File name the export dialog proposes (``case-…_mask.png`` unless the user keeps the image's name)."""
         raise NotImplementedError
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QFileDialog,
     QFormLayout,
@@ -74,6 +75,7 @@ class SegmentationPanel(QGroupBox):
     force_model_requested = Signal(str)
     compare_requested = Signal(str)
     export_requested = Signal(str)
+    keep_names_changed = Signal(bool)
     strip_slice_requested = Signal(int)
 
     def __init__(self, parent: QWidget | None = None) -> None:
@@ -127,6 +129,13 @@ class SegmentationPanel(QGroupBox):
         self.export_button = QPushButton("Export mask…")
         self.export_button.setObjectName("export-button")
         self.export_button.clicked.connect(self.browse_export)
+        # Off by default: image file names often name patients, and a mask named after one carries it along.
+        self.keep_names_box = QCheckBox("Name the mask after the image file")
+        self.keep_names_box.setObjectName("keep-names")
+        self.keep_names_box.setToolTip("Off: the export dialog proposes a neutral name, case- and a hash of the image "
+                                       "file's content (the same every time). On: the image file's own name, which "
+                                       "may name the patient.")
+        self.keep_names_box.toggled.connect(self.keep_names_changed)
 
         gamma_row = QHBoxLayout()
         gamma_row.addWidget(self.gamma, 1)
@@ -157,6 +166,7 @@ class SegmentationPanel(QGroupBox):
         bottom.addWidget(self.compare_button)
         bottom.addWidget(self.export_button)
         layout.addLayout(bottom)
+        layout.addWidget(self.keep_names_box)
         layout.addWidget(self.cdr_label)
         layout.addStretch(1)
         self._gamma_value: float | None = None

@@ -231,6 +231,7 @@ def _api_for_segmentation(tmp_path):
         describe_device=MagicMock(return_value={"device": "cpu", "reason": "no CUDA GPU found"}),
         export_mask=MagicMock(side_effect=lambda study, labels, out, provenance=None: Path(out)),
         cup_to_disc_ratio=engine.api.cup_to_disc_ratio,
+        mask_file_stem=engine.api.mask_file_stem,
     )
     api.segment_study = MagicMock(side_effect=lambda bundle, study, gamma=None, device="auto", force_model=None,
                                   progress=None, cancel=None: (progress(3, 4) if progress else None)
@@ -445,10 +446,28 @@ def test_save_config_writes_and_validates_through_the_api(tmp_path):
 
 
 def test_export_name_follows_the_study(tmp_path, volume_study, photo_study):
+    # By default the proposed name is the study's case (a hash of its content), never the image's name
     t = _segmentation(_api_for_segmentation(tmp_path), volume_study)
-    t.view.set_export_name.assert_called_with("volume_mask.nii.gz")
+    t.view.set_export_name.assert_called_with(f"{engine.api.mask_file_stem(volume_study)}_mask.nii.gz")
     t.viewer.set_study(photo_study)
+    case = engine.api.mask_file_stem(photo_study)
+    assert case.startswith("case-")
+    t.view.set_export_name.assert_called_with(f"{case}_mask.png")
+    # The user keeps names: the image's own name
+    t.ctrl.set_keep_names(True)
     t.view.set_export_name.assert_called_with("photo_mask.png")
+    t.viewer.set_study(volume_study)
+    t.view.set_export_name.assert_called_with("volume_mask.nii.gz")
+
+
+def test_export_name_of_a_replaced_study_is_not_shown(tmp_path, volume_study, photo_study):
+    runner = DeferredTaskRunner()
+    t = _segmentation(_api_for_segmentation(tmp_path), volume_study, runner)
+    t.viewer.set_study(photo_study)
+    runner.run_all()  # the volume's name arrives after the photo replaced it: only the photo's is shown
+    names = [c.args[0] for c in t.view.set_export_name.call_args_list]
+    assert names[-1] == f"{engine.api.mask_file_stem(photo_study)}_mask.png"
+    assert f"{engine.api.mask_file_stem(volume_study)}_mask.nii.gz" not in names
 
 
 def test_app_hash_is_computed_on_request(tmp_path):

@@ -144,6 +144,23 @@ def test_empty_states_guide_the_user(fedsm_app):
     assert "simulated site" in app.window.federation_panel.mode_label.text()
 
 
+def test_export_proposes_a_neutral_name_unless_the_user_keeps_names(fedsm_app, qtbot, tmp_path):
+    import engine.api
+
+    photo = tmp_path / "DOE^JOHN_1970-01-01.png"
+    from PIL import Image
+
+    Image.fromarray(np.full((20, 30, 3), 90, np.uint8)).save(photo)
+    study = engine.api.open_study(photo)
+    panel = fedsm_app.window.segmentation_panel
+    assert not panel.keep_names_box.isChecked()  # off by default
+    fedsm_app.studies.show_study(study)
+    case = engine.api.mask_file_stem(study)
+    qtbot.waitUntil(lambda: panel._export_name == f"{case}_mask.png")
+    panel.keep_names_box.setChecked(True)
+    qtbot.waitUntil(lambda: panel._export_name == "DOE^JOHN_1970-01-01_mask.png")
+
+
 def test_canvas_rejects_arrays_it_cannot_show():
     from fedsm_gui.views.canvas import to_qimage
 

@@ -17,6 +17,7 @@ from engine.inference.predictor import SuperModelPredictor
 from engine.inference.run import infer_path
 from engine.inference.study import masks_to_label_map
 from engine.io.files import read_label_png, read_nifti, write_nifti, write_rgb_png
+from engine.io.privacy import content_name
 from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec, get_task
 
@@ -92,8 +93,10 @@ def test_photo_gives_a_mask_png_and_routing_json(bundles: dict[str, Path], tmp_p
     result = infer_path(
         bundles["fundus"], source, out, gamma=0.3, device="cpu", progress=lambda d, t: calls.append((d, t))
     )
-    # Assert
-    mask = read_label_png(out / "eye_mask.png")
+    # Assert: the mask is named by the hash of the photo's bytes, never after the file
+    case = content_name([source])
+    assert case.startswith("case-") and len(case) == len("case-") + 10
+    mask = read_label_png(out / f"{case}_mask.png")
     assert mask.shape == (50, 70)
     assert set(np.unique(mask)) <= {0, 1, 2}
     assert json.loads((out / "routing.json").read_text()) == result
@@ -103,8 +106,8 @@ def test_photo_gives_a_mask_png_and_routing_json(bundles: dict[str, Path], tmp_p
     assert result["gamma"] == 0.3
     assert result["device"] == "cpu"
     [entry] = result["inputs"]
-    assert entry["input"] == source.name
-    assert entry["mask"] == "eye_mask.png"
+    assert "input" not in entry and entry["case"] == case and result["names"] == "neutral"
+    assert entry["mask"] == f"{case}_mask.png"
     assert entry["shape"] == [50, 70]
     [record] = entry["images"]
     assert record["index"] == 0
@@ -115,7 +118,7 @@ def test_photo_gives_a_mask_png_and_routing_json(bundles: dict[str, Path], tmp_p
     best_site = max(record["probabilities"], key=record["probabilities"].get)
     assert record["model"] == (best_site if record["confidence"] > 0.3 else "global")
     assert calls[-1] == (2, 2)
-    assert sorted(p.name for p in out.iterdir()) == ["eye_mask.png", "routing.json"]
+    assert sorted(p.name for p in out.iterdir()) == [f"{case}_mask.png", "routing.json"]
 
 
 def test_folder_of_photos(bundles: dict[str, Path], tmp_path: Path) -> None:
@@ -125,16 +128,31 @@ def test_folder_of_photos(bundles: dict[str, Path], tmp_path: Path) -> None:
     photo(folder / "a.png", 33, 47, seed=2)
     (folder / "notes.txt").write_text("ignored")
     result = infer_path(bundles["fundus"], folder, tmp_path / "out", device="cpu")
-    assert [e["mask"] for e in result["inputs"]] == ["a_mask.png", "b_mask.png"]
-    assert read_label_png(tmp_path / "out" / "a_mask.png").shape == (33, 47)
+    # Inputs in name order (a, b), each a case named by its content
+    assert [e["case"] for e in result["inputs"]] == [content_name([folder / "a.png"]), content_name([folder / "b.jpg"])]
+    assert read_label_png(tmp_path / "out" / result["inputs"][0]["mask"]).shape == (33, 47)
     assert result["gamma"] == 0.5  # the bundle's
+    kept = infer_path(bundles["fundus"], folder, tmp_path / "kept", device="cpu", keep_names=True)
+    assert [e["mask"] for e in kept["inputs"]] == ["a_mask.png", "b_mask.png"]
+    assert [e["input"] for e in kept["inputs"]] == ["a.png", "b.jpg"] and kept["names"] == "kept"
+
+
+def test_inputs_of_equal_content_are_numbered(bundles: dict[str, Path], tmp_path: Path) -> None:
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    photo(folder / "a.png")
+    (folder / "copy.png").write_bytes((folder / "a.png").read_bytes())
+    result = infer_path(bundles["fundus"], folder, tmp_path / "out", device="cpu")
+    case = content_name([folder / "a.png"])
+    assert [e["mask"] for e in result["inputs"]] == [f"{case}_mask.png", f"{case}-2_mask.png"]
 
 
 def test_rerun_into_the_input_folder_skips_old_masks(bundles: dict[str, Path], tmp_path: Path) -> None:
     photo(tmp_path / "eye.png")
-    infer_path(bundles["fundus"], tmp_path, tmp_path, device="cpu")
+    first = infer_path(bundles["fundus"], tmp_path, tmp_path, device="cpu")
     result = infer_path(bundles["fundus"], tmp_path, tmp_path, device="cpu")
-    assert [e["mask"] for e in result["inputs"]] == ["eye_mask.png"]
+    assert [e["mask"] for e in result["inputs"]] == [e["mask"] for e in first["inputs"]]
+    assert [e["case"] for e in result["inputs"]] == [content_name([tmp_path / "eye.png"])]
 
 
 # --- volumes -------------------------------------------------------------------------------------
@@ -144,7 +162,7 @@ def test_volume_gives_a_nifti_mask_with_the_source_affine(bundles: dict[str, Pat
     source = volume(tmp_path / "case01.nii.gz")
     out = tmp_path / "out"
     result = infer_path(bundles["prostate"], source, out, device="cpu")
-    img = nib.load(str(out / "case01_mask.nii.gz"))
+    img = nib.load(str(out / result["inputs"][0]["mask"]))
     assert img.shape == (40, 36, 5)
     np.testing.assert_allclose(img.affine, AFFINE, atol=1e-5)
     data = np.asarray(img.dataobj)
@@ -174,7 +192,7 @@ def test_multi_label_volumes_number_channels_from_one_later_wins() -> None:
 
 def test_uncompressed_nifti(bundles: dict[str, Path], tmp_path: Path) -> None:
     volume(tmp_path / "case.nii", shape=(20, 24, 3))
-    result = infer_path(bundles["prostate"], tmp_path / "case.nii", tmp_path / "out", device="cpu")
+    result = infer_path(bundles["prostate"], tmp_path / "case.nii", tmp_path / "out", device="cpu", keep_names=True)
     assert result["inputs"][0]["mask"] == "case_mask.nii.gz"
     assert nib.load(str(tmp_path / "out" / "case_mask.nii.gz")).shape == (20, 24, 3)
 
@@ -224,9 +242,12 @@ def test_missing_input(bundles: dict[str, Path], tmp_path: Path) -> None:
 
 def test_two_inputs_for_one_mask_name(bundles: dict[str, Path], tmp_path: Path) -> None:
     photo(tmp_path / "eye.png")
-    photo(tmp_path / "eye.jpg")
+    photo(tmp_path / "eye.jpg", seed=1)
     with pytest.raises(DataError, match=r"eye_mask\.png"):
-        infer_path(bundles["fundus"], tmp_path, tmp_path / "out", device="cpu")
+        infer_path(bundles["fundus"], tmp_path, tmp_path / "out", device="cpu", keep_names=True)
+    # Named by content, they do not collide.
+    result = infer_path(bundles["fundus"], tmp_path, tmp_path / "out", device="cpu")
+    assert len({e["mask"] for e in result["inputs"]}) == 2
 
 
 def test_unreadable_photo(bundles: dict[str, Path], tmp_path: Path) -> None:
@@ -261,19 +282,21 @@ def test_dicom_folder_gives_a_seg_that_reads_back_as_the_segmentation(
     out = tmp_path / "out"
     # Execute
     result = infer_path(bundles["prostate"], tmp_path / "case7", out, device="cpu", mask_format="dicom-seg")
-    # Assert
+    # Assert: the case is the hash of the series' files in slice order
     [entry] = result["inputs"]
-    assert entry["mask"] == "case7_mask.dcm" and entry["format"] == "dicom-seg"
+    case = content_name(canonical_study(paths, pixels).dicom_files)
+    assert entry["mask"] == f"{case}_mask.dcm" and entry["format"] == "dicom-seg"
     assert entry["series_uid"] == str(pydicom_uid(paths[0]))
     assert len(entry["images"]) == 5
     study = canonical_study(paths, pixels)
     expected = segment_study(bundles["prostate"], study, device="cpu")
-    labels = read_dicom_seg(out / "case7_mask.dcm", study)
+    labels = read_dicom_seg(out / f"{case}_mask.dcm", study)
     np.testing.assert_array_equal(labels.array, expected.labels.array)
     assert [r["model"] for r in entry["images"]] == [r.model for r in expected.records]
-    prov = read_provenance(out / "case7_mask.dcm")  # from the sidecar
+    prov = read_provenance(out / f"{case}_mask.dcm")  # from the sidecar
     assert prov.bundle_sha256 == result["bundle"]["sha256"] and len(prov.images) == 5
-    assert sorted(p.name for p in out.iterdir()) == ["case7_mask.dcm", "case7_mask.provenance.json", "routing.json"]
+    assert sorted(p.name for p in out.iterdir()) == [f"{case}_mask.dcm", f"{case}_mask.provenance.json",
+                                                      "routing.json"]
 
 
 def pydicom_uid(path: Path) -> str:
@@ -287,8 +310,8 @@ def test_dicom_folder_default_nifti_lies_on_the_series(bundles: dict[str, Path],
     from synthetic_dicom import write_series
 
     paths, _ = write_series(tmp_path / "case8", rows=20, columns=24, slices=3, angle_deg=30.0)
-    infer_path(bundles["prostate"], tmp_path / "case8", tmp_path / "out", device="cpu")
-    mask = sitk.ReadImage(str(tmp_path / "out" / "case8_mask.nii.gz"))
+    result = infer_path(bundles["prostate"], tmp_path / "case8", tmp_path / "out", device="cpu")
+    mask = sitk.ReadImage(str(tmp_path / "out" / result["inputs"][0]["mask"]))
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames([str(p) for p in paths])
     series = reader.Execute()
@@ -310,8 +333,8 @@ def test_mha_and_nrrd_volumes(bundles: dict[str, Path], tmp_path: Path, suffix: 
     calls: list[tuple[int, int]] = []
     result = infer_path(bundles["prostate"], source, tmp_path / "out", device="cpu",
                         progress=lambda d, t: calls.append((d, t)))
-    assert result["inputs"][0]["mask"] == "vol_mask.nii.gz"
-    mask = sitk.ReadImage(str(tmp_path / "out" / "vol_mask.nii.gz"))
+    assert result["inputs"][0]["mask"] == f"{content_name([source])}_mask.nii.gz"
+    mask = sitk.ReadImage(str(tmp_path / "out" / result["inputs"][0]["mask"]))
     assert _corners_lps(mask) == _corners_lps(image)
     assert calls[-1] == (8, 8)  # 4 axial slices, counted from the header up front
 
@@ -337,7 +360,8 @@ def test_rerun_into_a_dicom_folder_skips_the_seg_it_wrote(bundles: dict[str, Pat
                        mask_format="dicom-seg")
     second = infer_path(bundles["prostate"], tmp_path / "case9", tmp_path / "case9", device="cpu",
                         mask_format="dicom-seg")
-    assert [e["mask"] for e in second["inputs"]] == [e["mask"] for e in first["inputs"]] == ["case9_mask.dcm"]
+    assert [e["mask"] for e in second["inputs"]] == [e["mask"] for e in first["inputs"]]
+    assert len(first["inputs"]) == 1 and first["inputs"][0]["mask"].endswith("_mask.dcm")
 
 
 def test_cli_format_flag(bundles: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -346,7 +370,7 @@ def test_cli_format_flag(bundles: dict[str, Path], tmp_path: Path, capsys: pytes
     source = volume(tmp_path / "v.nii.gz", shape=(16, 16, 2))
     assert main(["infer", "--model", str(bundles["prostate"]), "--input", str(source), "--out",
                  str(tmp_path / "out"), "--device", "cpu", "--format", "nifti"]) == 0
-    assert (tmp_path / "out" / "v_mask.nii.gz").is_file()
+    assert (tmp_path / "out" / f"{content_name([source])}_mask.nii.gz").is_file()
     assert main(["infer", "--model", str(bundles["prostate"]), "--input", str(source), "--out",
                  str(tmp_path / "out"), "--device", "cpu", "--format", "dicom-seg"]) == 2
     assert "DICOM SEG must reference a DICOM series" in capsys.readouterr().err
@@ -358,13 +382,17 @@ def test_dicom_file_and_folder_with_two_series(bundles: dict[str, Path], tmp_pat
     first, _ = write_series(tmp_path / "study" / "t2", rows=16, columns=16, slices=2, seed=1)
     write_series(tmp_path / "study" / "adc", rows=12, columns=10, slices=3, seed=2)
     # One file: its series.
-    single = infer_path(bundles["prostate"], first[0], tmp_path / "one", device="cpu")
+    single = infer_path(bundles["prostate"], first[0], tmp_path / "one", device="cpu", keep_names=True)
     assert [(e["mask"], e["shape"]) for e in single["inputs"]] == [("t2_mask.nii.gz", [16, 16, 2])]
     # A folder: every series under it, masks told apart by series UID.
-    both = infer_path(bundles["prostate"], tmp_path / "study", tmp_path / "two", device="cpu")
+    both = infer_path(bundles["prostate"], tmp_path / "study", tmp_path / "two", device="cpu", keep_names=True)
     masks = sorted(e["mask"] for e in both["inputs"])
     assert len(masks) == 2 and all(m.startswith("study_") and m.endswith("_mask.nii.gz") for m in masks)
     assert sorted(len(e["images"]) for e in both["inputs"]) == [2, 3]
+    # Named by content: two cases, neither named after the folder
+    neutral = infer_path(bundles["prostate"], tmp_path / "study", tmp_path / "three", device="cpu")
+    assert len({e["case"] for e in neutral["inputs"]}) == 2
+    assert all(e["mask"].startswith("case-") for e in neutral["inputs"])
 
 
 
@@ -389,5 +417,5 @@ def test_colour_dicom_photo_with_a_fundus_bundle(bundles: dict[str, Path], tmp_p
     ds.save_as(tmp_path / "eye" / "photo.dcm", enforce_file_format=True)
     result = infer_path(bundles["fundus"], tmp_path / "eye", tmp_path / "out", device="cpu")
     [entry] = result["inputs"]
-    assert (entry["mask"], entry["kind"], entry["shape"]) == ("eye_mask.png", "image", [30, 40])
-    assert read_label_png(tmp_path / "out" / "eye_mask.png").shape == (30, 40)
+    assert (entry["mask"], entry["kind"], entry["shape"]) == (f"{entry['case']}_mask.png", "image", [30, 40])
+    assert read_label_png(tmp_path / "out" / entry["mask"]).shape == (30, 40)

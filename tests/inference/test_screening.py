@@ -12,6 +12,7 @@ from testsupport import fedavg_network_bundle, write_photo_site
 
 from engine.cli.main import main
 from engine.inference.screening import label_map_reason, task_warnings
+from engine.io.privacy import content_name
 from engine.tasks import get_task
 
 
@@ -29,7 +30,7 @@ def test_a_folder_with_masks_beside_photos_segments_only_the_photos(tmp_path, ca
     model = fedavg_network_bundle(tmp_path / "coord")
     # Execute
     code = main(["infer", "--model", str(model), "--input", str(mixed), "--out", str(tmp_path / "out"),
-                 "--device", "cpu"])
+                 "--device", "cpu", "--keep-names"])
     # Assert
     out = capsys.readouterr().out
     assert code == 0
@@ -39,6 +40,14 @@ def test_a_folder_with_masks_beside_photos_segments_only_the_photos(tmp_path, ca
     assert set(skipped) == {"a_label.png", "b_label.png", "c_ODsegSoftmap.png"}
     assert "named by a datalist" in skipped["c_ODsegSoftmap.png"] and "label map" in skipped["a_label.png"]
     assert "skipped a_label.png:" in out
+    # Without --keep-names a skipped file is a case too: named by its content
+    assert main(["infer", "--model", str(model), "--input", str(mixed), "--out", str(tmp_path / "neutral"),
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    routing = json.loads((tmp_path / "neutral" / "routing.json").read_text())
+    skipped = {s["case"]: s["reason"] for s in routing["skipped"]}
+    assert set(skipped) == {content_name([mixed / n]) for n in ("a_label.png", "b_label.png", "c_ODsegSoftmap.png")}
+    assert f"skipped {content_name([mixed / 'a_label.png'])}:" in out and "a_label" not in out
 
 
 def test_a_named_mask_is_segmented_with_a_warning_and_a_folder_of_masks_is_refused(tmp_path, capsys):

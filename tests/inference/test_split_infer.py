@@ -34,7 +34,7 @@ def test_infer_segments_a_photo_with_the_chosen_sites_nets(split_bundle, tmp_pat
     result = api.infer(path, tmp_path / "eye.png", tmp_path / "out", device="cpu", site="site2")
     assert result["routing"] == "site" and result["forced_model"] == "site2"
     assert result["inputs"][0]["models_used"] == {"site2": 1}
-    written = np.asarray(Image.open(tmp_path / "out" / "eye_mask.png"))
+    written = np.asarray(Image.open(tmp_path / "out" / result["inputs"][0]["mask"]))
     assert written.shape == (32, 32)
     # the same as site2's client net followed by site2's own server entry, thresholded at 0.5 and
     # cleaned as every fundus mask is (largest component, holes filled, cup inside the disc)

@@ -340,3 +340,143 @@ def write_small_bundle(path: Path, task_name: str) -> Path:
     save_bundle(path, SuperModelBundle(meta, build_segmentation_net(task.in_channels, task.out_channels).state_dict(),
                                        nets, build_selector(task.in_channels, meta.selector_classes).state_dict()))
     return path
+
+
+# --- compressed frames that cost more to decode than their DICOM header says -----------------------
+
+
+def _ramp(rows: int, columns: int, bits: int) -> np.ndarray:
+    """A smooth image (compresses well, decodes to known values)."""
+    y, x = np.mgrid[0:rows, 0:columns]
+    top = (1 << bits) - 1
+    return ((x * 7 + y * 3) % (top + 1)).astype(np.uint16 if bits > 8 else np.uint8)
+
+
+def j2k_codestream(rows: int = 512, columns: int = 512, bits: int = 16) -> bytes:
+    """A real JPEG 2000 codestream (raw, no JP2 boxes) of a ``columns x rows`` grey image, encoded by Pillow."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(_ramp(rows, columns, bits)).save(buffer, format="JPEG2000", no_jp2=True)
+    return buffer.getvalue()
+
+
+def j2k_with_siz(codestream: bytes, **fields: int) -> bytes:
+    """``codestream`` with SIZ fields replaced: ``tile_width``, ``tile_height``, ``components`` (copies of the
+    first component's Ssiz/XRsiz/YRsiz) or ``precision`` (bits of every component); the rest kept."""
+    assert codestream[:4] == b"\xff\x4f\xff\x51"
+    (length,) = struct.unpack(">H", codestream[4:6])
+    values = list(struct.unpack(">HIIIIIIIIH", codestream[6:42]))
+    comps = [codestream[42 + 3 * i:45 + 3 * i] for i in range(values[9])]
+    values[5] = fields.get("tile_width", values[5])
+    values[6] = fields.get("tile_height", values[6])
+    if "components" in fields:
+        comps = [comps[0]] * fields["components"]
+    if "precision" in fields:
+        comps = [bytes([fields["precision"] - 1]) + c[1:] for c in comps]
+    values[9] = len(comps)
+    body = struct.pack(">HIIIIIIIIH", *values) + b"".join(comps)
+    return b"\xff\x4f\xff\x51" + struct.pack(">H", len(body) + 2) + body + codestream[4 + length:]
+
+
+def jpeg_codestream(rows: int = 512, columns: int = 512, progressive: bool = False) -> bytes:
+    """A real 8-bit grey JPEG (baseline, or progressive) encoded by Pillow."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(_ramp(rows, columns, 8)).save(buffer, format="JPEG", quality=90, progressive=progressive)
+    return buffer.getvalue()
+
+
+def jpeg_with_scans(jpeg: bytes, scans: int) -> bytes:
+    """``jpeg`` with tiny scans (its first scan's header and one byte of data) added until it holds ``scans``
+    scans: a progressive-JPEG CPU bomb (each scan is a pass over the whole image)."""
+    first = jpeg.index(b"\xff\xda")
+    (length,) = struct.unpack(">H", jpeg[first + 2:first + 4])
+    header = jpeg[first:first + 2 + length]
+    end = jpeg.rindex(b"\xff\xd9")
+    extra = scans - jpeg.count(b"\xff\xda")
+    return jpeg[:end] + (header + b"\x00") * extra + b"\xff\xd9"
+
+
+def rle_frame(pixels: np.ndarray) -> bytes:
+    """One grey frame encoded by pydicom's own RLE encoder."""
+    from pydicom.pixels.encoders import RLELosslessEncoder
+
+    rows, columns = pixels.shape
+    bits = pixels.dtype.itemsize * 8
+    return RLELosslessEncoder.encode(pixels, rows=rows, columns=columns, samples_per_pixel=1, bits_allocated=bits,
+                                     bits_stored=bits, pixel_representation=0, number_of_frames=1,
+                                     photometric_interpretation="MONOCHROME2")
+
+
+def jpeg_ls_codestream(rows: int = 512, columns: int = 512, bits: int = 16) -> bytes:
+    """A real JPEG-LS stream (CharLS through pyjpegls) of a grey image."""
+    import jpeg_ls
+
+    return bytes(jpeg_ls.encode(_ramp(rows, columns, bits)))
+
+
+def jpeg_with_frame_header(jpeg: bytes, precision: int | None = None, components: int | None = None) -> bytes:
+    """``jpeg`` (JPEG or JPEG-LS) with the frame header's precision or number of components changed."""
+    for marker in (b"\xff\xc0", b"\xff\xc2", b"\xff\xf7"):
+        at = jpeg.find(marker)
+        if at >= 0:
+            break
+    (length,) = struct.unpack(">H", jpeg[at + 2:at + 4])
+    p, y, x, n = jpeg[at + 4], *struct.unpack(">HH", jpeg[at + 5:at + 9]), jpeg[at + 9]
+    comps = [jpeg[at + 10 + 3 * i:at + 13 + 3 * i] for i in range(n)]
+    if components is not None:
+        comps = [bytes([i + 1]) + comps[0][1:] for i in range(components)]
+    body = struct.pack(">BHHB", precision or p, y, x, len(comps)) + b"".join(comps)
+    return jpeg[:at + 2] + struct.pack(">H", len(body) + 2) + body + jpeg[at + 2 + length:]
+
+
+def rle_bomb_frame(segments: int, compressed_bytes: int) -> bytes:
+    """An RLE frame of ``segments`` segments, each ``compressed_bytes`` of 2-byte runs that repeat a byte 128 times
+    (each segment decodes to 64 times its size, whatever the header says)."""
+    segment = b"\x81\x00" * (compressed_bytes // 2)
+    offsets = [64 + i * len(segment) for i in range(segments)]
+    header = struct.pack("<I", segments) + b"".join(struct.pack("<I", o) for o in offsets)
+    return header + b"\x00" * (64 - len(header)) + segment * segments
+
+
+def compressed_dicom(path: Path, frame: bytes, syntax: str, rows: int = 512, columns: int = 512, samples: int = 1,
+                     bits: int = 16) -> Path:
+    """A one-slice MR DICOM file at ``path`` whose encapsulated pixel data is ``frame`` under ``syntax``."""
+    import pydicom
+    from pydicom.dataset import FileMetaDataset
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import MRImageStorage, generate_uid
+
+    ds = pydicom.Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.TransferSyntaxUID = syntax
+    ds.file_meta.MediaStorageSOPClassUID = MRImageStorage
+    ds.file_meta.MediaStorageSOPInstanceUID = ds.SOPInstanceUID = generate_uid()
+    ds.SOPClassUID = MRImageStorage
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = generate_uid(), generate_uid()
+    ds.Modality = "MR"
+    ds.ImageOrientationPatient = [1, 0, 0, 0, 1, 0]
+    ds.ImagePositionPatient = [0, 0, 0]
+    ds.PixelSpacing = [0.5, 0.5]
+    ds.SliceThickness = 3
+    ds.Rows, ds.Columns, ds.SamplesPerPixel = rows, columns, samples
+    ds.PhotometricInterpretation = "MONOCHROME2" if samples == 1 else "RGB"
+    if samples > 1:
+        ds.PlanarConfiguration = 0
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = bits, bits, bits - 1, 0
+    ds.PixelData = encapsulate([frame])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(path, enforce_file_format=True)
+    return path
+
+
+def tiff_with_tiles(width: int, height: int, tile_width: int, tile_height: int) -> bytes:
+    """A little-endian 8-bit grey TIFF declaring ``width x height`` pixels in tiles of ``tile_width x tile_height``."""
+    entries = [(256, 4, 1, width), (257, 4, 1, height), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1),
+               (277, 3, 1, 1), (322, 4, 1, tile_width), (323, 4, 1, tile_height), (324, 4, 1, 0), (325, 4, 1, 16)]
+    data_at = 8 + 2 + 12 * len(entries) + 4
+    entries[-2] = (324, 4, 1, data_at)
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\x00" * 4
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + b"\x00" * 16

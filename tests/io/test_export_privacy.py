@@ -92,13 +92,17 @@ def test_fedsm_infer_on_a_patient_named_folder(tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "results"
     assert main(["infer", "--model", str(model), "--input", str(folder), "--out", str(out), "--device", "cpu",
                  "--format", "dicom-seg"]) == 0
-    capsys.readouterr()
+    stdout = capsys.readouterr().out
     routing_text = (out / "routing.json").read_text()
     routing = json.loads(routing_text)
-    assert str(tmp_path) not in routing_text and "/" + folder.name not in routing_text
+    # The folder's name is nowhere: not in routing.json, the output files' names or stdout (which names
+    # only the output folder the user chose)
+    assert str(tmp_path) not in routing_text
+    for text in (routing_text, stdout, *(p.name for p in out.iterdir())):
+        assert "Doe" not in text and "1957" not in text, text
     assert routing["bundle"]["path"] == "prostate.safetensors"
     [entry] = routing["inputs"]
-    assert entry["input"] == "."
+    assert entry["case"].startswith("case-") and "input" not in entry
     seg = pydicom.dcmread(out / entry["mask"])
     _check_seg(seg)
     for keyword in ("PatientComments", "InstitutionName", "InstitutionAddress", "StationName"):
@@ -116,3 +120,73 @@ def test_public_paths(tmp_path: Path) -> None:
            "list": [str(root / "T2")]}
     assert scrub_absolute_paths(doc, tmp_path / "run") == {"data_dir": "Doe_John", "out": "a.json", "n": 3,
                                                            "note": "not/a/path", "list": ["T2"]}
+
+
+# --- patient-named inputs: no output names them unless the user keeps names ------------------------
+
+PATIENT = "DOE^JOHN_1970-01-01"
+
+
+def _patient_named_photo_site(root: Path) -> Path:
+    """A fundus site whose photo and mask are named after a patient, with a datalist testing on it."""
+    from testsupport import write_photo_site
+
+    write_photo_site(root, [PATIENT], size=32)
+    (root / "datalist.json").write_text(json.dumps({"task": "fundus", "training": [], "testing": [
+        {"image": f"images/{PATIENT}.png", "label": f"masks/{PATIENT}.png"}]}))
+    return root
+
+
+def _leaks(text: str) -> bool:
+    return any(part in text for part in ("DOE", "JOHN", "1970-01-01"))
+
+
+def test_fedsm_infer_names_no_patient_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.main import main
+    from engine.io.privacy import content_name
+
+    # Prepare: a photo named after a patient, in a folder and alone
+    site = _patient_named_photo_site(tmp_path / "site")
+    photo = site / "images" / f"{PATIENT}.png"
+    model = hf.write_small_bundle(tmp_path / "models" / "fundus.safetensors", "fundus")
+    case = content_name([photo])
+    for given, out in ((photo, tmp_path / "one"), (site / "images", tmp_path / "folder")):
+        # Execute
+        assert main(["infer", "--model", str(model), "--input", str(given), "--out", str(out), "--device", "cpu",
+                     "--name-map", str(tmp_path / f"{out.name}-names.json")]) == 0
+        stdout = capsys.readouterr().out
+        # Assert: output files, routing.json and every stdout line name the case, never the patient
+        names = sorted(p.name for p in out.iterdir())
+        assert names == [f"{case}_mask.png", "routing.json"]
+        routing_text = (out / "routing.json").read_text()
+        assert not _leaks(routing_text) and json.loads(routing_text)["inputs"][0]["case"] == case
+        assert all(not _leaks(line) for line in stdout.splitlines()), stdout
+        assert f"{case}: {case}_mask.png" in stdout
+        # The opt-in map, written where the user asked, is the only place linking case and file
+        assert json.loads((tmp_path / f"{out.name}-names.json").read_text()) == {case: f"{PATIENT}.png"}
+    # --keep-names: the names as before
+    assert main(["infer", "--model", str(model), "--input", str(photo), "--out", str(tmp_path / "kept"),
+                 "--device", "cpu", "--keep-names"]) == 0
+    stdout = capsys.readouterr().out
+    assert (tmp_path / "kept" / f"{PATIENT}_mask.png").is_file()
+    routing = json.loads((tmp_path / "kept" / "routing.json").read_text())
+    assert routing["inputs"][0]["input"] == f"{PATIENT}.png" and routing["names"] == "kept"
+    assert f"{PATIENT}.png: {PATIENT}_mask.png" in stdout
+
+
+def test_fedsm_evaluate_names_no_patient_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.cli.main import main
+    from engine.io.privacy import content_name
+
+    site = _patient_named_photo_site(tmp_path / "site")
+    model = hf.write_small_bundle(tmp_path / "models" / "fundus.safetensors", "fundus")
+    report = tmp_path / "evaluation.json"
+    assert main(["evaluate", "--model", str(model), "--datalist", str(site / "datalist.json"), "--device", "cpu",
+                 "--json", str(report)]) == 0
+    stdout = capsys.readouterr().out
+    assert not _leaks(stdout) and not _leaks(report.read_text())
+    case = content_name([site / "images" / f"{PATIENT}.png"])
+    assert {row["case"] for row in json.loads(report.read_text())["images"]} == {case} and case in stdout
+    assert main(["evaluate", "--model", str(model), "--datalist", str(site / "datalist.json"), "--device", "cpu",
+                 "--json", str(report), "--keep-names"]) == 0
+    assert f"{PATIENT}.png" in capsys.readouterr().out and PATIENT in report.read_text()
