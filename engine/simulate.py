@@ -105,6 +105,10 @@ class SimulationConfig:
     #: How FedSM trains its personalized models (:mod:`engine.fl.personalization`): ``"softpull"``
     #: (the paper's), ``"finetune"``, ``"apfl"``, ``"perfedavg"`` or ``"pfedme"``.
     personalization: str = "softpull"
+    #: The coordinator's bounds on the sites' updates, as ``[robust]`` in federation.toml
+    #: (:class:`engine.fl.robust.RobustSettings`): the simulation screens and aggregates as a network
+    #: coordinator does.
+    robust: dict[str, Any] = field(default_factory=dict)
     #: How networks and optimizer moments travel each round (:mod:`engine.fl.wire_precision`):
     #: ``"bfloat16"`` (values down, differences up, float32 masters at both ends) or ``"float32"``.
     wire_precision: str = "bfloat16"
@@ -112,9 +116,11 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         get_task(self.task)
         check_mode(self.fundus_crop)
+        from engine.fl.robust import RobustSettings
         from engine.fl.wire_precision import check_wire_precision
 
         self.wire_precision = check_wire_precision(self.wire_precision)
+        RobustSettings.from_dict(self.robust, "robust")  # checked now, not after the first method trained
         if self.datalists:
             self.datalists = tuple(str(p) for p in self.datalists)
             self.sites = len(self.datalists)
@@ -222,6 +228,10 @@ class Simulation:
         self.progress = progress
         self.cancel = cancel
         self.task: TaskSpec = get_task(cfg.task)
+        from engine.fl.robust import RobustSettings
+
+        #: the coordinator's [robust] bounds, applied as over the network (engine.federation.inprocess)
+        self.robust = RobustSettings.from_dict(cfg.robust, "robust")
         self.sites: list[Any] = []
         #: The site left out of training (``holdout_site``), evaluated as unseen; ``None`` without one.
         self.holdout: Any = None
@@ -315,7 +325,7 @@ class Simulation:
             self._attach_round_hook(method, [pooled_runtime])
             keeper = self._attach_best_round(method, [pooled_runtime])
             state, records = run_rounds(method, [pooled_runtime], self.cfg.rounds,
-                                        progress=self.progress, cancel=self.cancel)
+                                        progress=self.progress, cancel=self.cancel, robust=self.robust)
             weights = state["global"]
             per_site, client_avg, pooled = self._evaluate(
                 lambda k, x: segment_with(self.task, weights, x, self.cfg.device))
@@ -333,7 +343,7 @@ class Simulation:
         self._attach_round_hook(method, runtimes)
         keeper = self._attach_best_round(method, runtimes)
         state, records = run_rounds(method, runtimes, method.total_rounds, progress=self.progress,
-                                    cancel=self.cancel)
+                                    cancel=self.cancel, robust=self.robust)
         if name == "local":
             models = [rt.state["local_model"] for rt in runtimes]
             per_site, client_avg, pooled = self._evaluate(

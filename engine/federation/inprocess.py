@@ -19,6 +19,7 @@ from typing import Any
 from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.fl.exchange import ExchangeMethod, Failure, Reply, tensor_bytes
 from engine.fl.methods import FederatedMethod, SiteInstructions, SiteRuntime, SiteUpdate, WeightSet
+from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 from engine.fl.weights import payload_bytes
 from engine.fl.wire_precision import DownCache, decode_down, decode_up, encode_down, encode_up
 
@@ -56,6 +57,7 @@ def run_rounds(
     min_sites: int = 1,
     progress: ProgressFn | None = None,
     cancel: Callable[[], bool] | None = None,
+    robust: RobustSettings | None = None,
 ) -> tuple[WeightSet, list[RoundRecord]]:
     """Run rounds ``first_round..rounds`` of ``method`` over ``sites`` in this process.
 
@@ -66,6 +68,10 @@ def run_rounds(
     min_sites
         A round whose answering sites are fewer than this leaves the state unchanged and
         is reported as failed.
+    robust
+        The coordinator's ``[robust]`` bounds (:mod:`engine.fl.robust`): each update is screened
+        and the round aggregated as a network coordinator does (``None``: the method's own
+        aggregation alone).
 
     Returns
     -------
@@ -74,6 +80,7 @@ def run_rounds(
     """
     state = method.initial_state() if state is None else state
     records: list[RoundRecord] = []
+    screen = None if robust is None else UpdateScreen(robust)
     for rnd in range(first_round, rounds + 1):
         if cancel is not None and cancel():
             raise CancelledError(f"{method.name}: cancelled before round {rnd}")
@@ -100,6 +107,8 @@ def run_rounds(
                 update = SiteUpdate(decode_up(reply, instructions.weights, wire, f"update from {site.name}"),
                                     update.num_samples, update.metrics)
                 method.validate_update(state, site.name, update)
+                if screen is not None:
+                    update = screen.screen(method, state, site.name, update)
             except CancelledError:
                 raise
             except (FedSMError, WeightsError, RuntimeError) as exc:
@@ -113,7 +122,14 @@ def run_rounds(
             from_site[site.name] = reply_bytes
             updates[site.name] = update
         if len(updates) >= max(min_sites, 1):
-            state = method.aggregate(state, rnd, updates)
+            if robust is None:
+                state = method.aggregate(state, rnd, updates)
+            else:
+                aggregated, refused = aggregate_leaving_out(method, state, rnd, updates, robust)
+                for name, reason in refused.items():
+                    updates.pop(name)
+                    failed[name] = reason
+                state = aggregated if aggregated is not None else state
         else:
             log.warning("round %d: only %d of %d sites answered (min_sites=%d); state unchanged",
                         rnd, len(updates), len(sites), min_sites)

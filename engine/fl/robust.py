@@ -25,6 +25,13 @@ screens every decoded, shape-checked update (:func:`screen_update`):
   aggregation of all updates fails, each update is aggregated alone, those that fail are left
   out, and the rest are aggregated. Nothing a site sends ends the coordinator.
 
+- **Update size against the others** (``clip``, :func:`clip_to_median`). A site inside the
+  bound can still push every round: an update scaled ×5 moves a model by a relative ~4. Each
+  round, every model part's change is clipped to ``clip`` times the median of the answering
+  sites' change norms of that part, so no site moves the average further than a typical site
+  does (Sun et al., "Can you really backdoor federated learning?", 2019, clip to a norm
+  bound; here the bound is the round's own median, so it needs no tuning per task).
+
 Optionally ``aggregation = "median"`` or ``"trimmed_mean"`` (with ``trim``, the fraction cut at
 each end, default 0.2) replaces the weighted mean of the parts that FedAvg, FedProx and FedSM's
 training rounds average (``global``, ``selector``) by the coordinate-wise median or trimmed
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -59,7 +67,9 @@ AGGREGATIONS = ("mean", "median", "trimmed_mean")
 #: legitimately changes by orders of magnitude relative to its previous value.
 NORM_PARTS = ("global", "personal", "selector", "control_delta")
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
-         "aggregation", "trim", "max_reply_mb"}
+         "aggregation", "trim", "max_reply_mb", "clip"}
+#: Default ``clip``: each part's change at most this many times the round's median change norm (0: off).
+CLIP_TO_MEDIAN = 0.0
 
 
 class UpdateRejected(WeightsError):
@@ -77,6 +87,8 @@ class RobustSettings:
     max_num_examples: int = MAX_NUM_EXAMPLES
     aggregation: str = "mean"
     trim: float = 0.2
+    #: each model part's change clipped to this many times the round's median change norm (0: off)
+    clip: float = CLIP_TO_MEDIAN
     #: largest reply a site may upload, MiB (0: twice the method's largest legitimate reply, at least 128 MiB)
     max_reply_mb: float = 0.0
 
@@ -115,7 +127,8 @@ class RobustSettings:
                    norm_action=action, num_examples=dict(declared),
                    num_examples_growth=number("num_examples_growth", 1.0, 1.0),
                    max_num_examples=number("max_num_examples", MAX_NUM_EXAMPLES, 1, integer=True),
-                   aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0))
+                   aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0),
+                   clip=number("clip", CLIP_TO_MEDIAN, 0.0))
 
 
 def _norm(weights: Mapping[str, torch.Tensor]) -> float:
@@ -256,8 +269,39 @@ def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, u
         return None, left_out
 
 
+def clip_to_median(method: FederatedMethod, state: WeightSet, updates: Mapping[str, SiteUpdate],
+                   factor: float) -> dict[str, SiteUpdate]:
+    """Each model part's change (:data:`NORM_PARTS`, against what the site was sent) scaled down to at most
+    ``factor`` times the median change norm of that part over ``updates``; the rest as it is.
+
+    A part is judged only among the sites that sent it (every site sends the global model; each its own
+    personalized model, against its own reference). With fewer than three sites the median is no
+    consensus, and nothing is clipped.
+    """
+    if factor <= 0 or len(updates) < 3:
+        return dict(updates)
+    references = {site: method.expected_update_shapes(state, site) for site in updates}
+    out = dict(updates)
+    for part in NORM_PARTS:
+        norms = {site: _change_norm(u.weights[part], references[site][part]) for site, u in updates.items()
+                 if part in u.weights and part in references[site]}
+        if len(norms) < 3:
+            continue
+        bound = factor * statistics.median(norms.values())
+        for site, norm in norms.items():
+            if norm > bound and norm > 0:
+                log.info("%s: the %s change (norm %.3g) clipped to %.3g, %g x the round's median", site, part,
+                         norm, bound, factor)
+                weights = dict(out[site].weights)
+                weights[part] = _clipped(weights[part], references[site][part], bound / norm)
+                out[site] = replace(out[site], weights=weights)
+    return out
+
+
 def _aggregate(method: FederatedMethod, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate],
                settings: RobustSettings | None) -> WeightSet:
+    if settings is not None and settings.clip > 0:
+        updates = clip_to_median(method, state, updates, settings.clip)
     new = method.aggregate(state, rnd, updates)
     if settings is None or settings.aggregation == "mean" or method.name not in mean_aggregation_methods():
         return new

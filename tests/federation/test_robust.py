@@ -109,7 +109,7 @@ def test_modified_sites_are_left_out_and_the_round_completes(datalists, tmp_path
         assert any(e["event"] == "error" and e["site"] == site and REASONS[kind] in e["message"] for e in events)
     # exactly the round as if the four sites had not answered: site1's honest update alone
     honest = next(r for r in grid.sent if r.content["fedsm"]["site"] == "site1")
-    expected = method.aggregate(initial, 1, {"site1": records.decode_update(honest.content, "site1", 1)})
+    expected = method.aggregate(initial, 1, {"site1": _rebuilt(method, initial, honest.content, "site1")})
     assert_same_state(state, expected)
     from engine.data.site_data import load_site
     from engine.tasks import get_task
@@ -119,10 +119,19 @@ def test_modified_sites_are_left_out_and_the_round_completes(datalists, tmp_path
     assert abs(_dice(task, state["global"], val) - _dice(task, expected["global"], val)) <= 0.01
     # unprotected, the x1e6 update alone would have ruined the global model
     scaled = next(r for r in grid.sent if r.content["fedsm"]["site"] == "site2")
-    ruined = method.aggregate(initial, 1, {"site1": records.decode_update(honest.content, "site1", 1),
-                                           "site2": records.decode_update(scaled.content, "site2", 1)})
+    ruined = method.aggregate(initial, 1, {"site1": _rebuilt(method, initial, honest.content, "site1"),
+                                           "site2": _rebuilt(method, initial, scaled.content, "site2")})
     assert torch.linalg.vector_norm(ruined["global"][next(iter(ruined["global"]))]) > 1e3 * torch.linalg.vector_norm(
         expected["global"][next(iter(expected["global"]))])
+
+
+def _rebuilt(method, state, content, site):
+    """A round-1 reply as the coordinator aggregates it: its 16-bit differences added to what it sent the site."""
+    from engine.fl.wire_precision import decode_up
+
+    reply = records.decode_update(content, site, 1)
+    sent = method.site_instructions(state, 1, site).weights
+    return SiteUpdate(decode_up(reply.weights, sent, method.wire_parts(1)), reply.num_samples, reply.metrics)
 
 
 def _dice(task, weights, split):
