@@ -29,12 +29,17 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def start(self, argv: list[str], log: Path, stdin: bytes | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` with its output in ``log``; ``stdin``: what its standard input holds (then its end)."""
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         with log.open("ab") as out:
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)
+        if stdin is not None:
+            assert proc.stdin is not None
+            proc.stdin.write(stdin)
+            proc.stdin.close()
         self.procs.append(proc)
         return proc
 
@@ -119,9 +124,10 @@ class LoopbackFederation:
     def server_events(self) -> Path:
         return self.work / "events.jsonl"
 
-    def start_site(self, procs: Processes, site: str) -> subprocess.Popen[bytes]:
-        return procs.start(fedsm("site", "--config", str(self.site_config(site)), "--json"),
-                           self.root / f"{site}.out")
+    def start_site(self, procs: Processes, site: str, *extra: str, stdin: bytes | None = None
+                   ) -> subprocess.Popen[bytes]:
+        return procs.start(fedsm("site", "--config", str(self.site_config(site)), "--json", *extra),
+                           self.root / f"{site}.out", stdin=stdin)
 
     def start_server(self, procs: Processes, resume: bool = False) -> subprocess.Popen[bytes]:
         return procs.start(fedsm("server", "--config", str(self.config), *(["--resume"] if resume else [])),

@@ -208,9 +208,10 @@ class DialogueRunner(FederationRunner):
         online = self.online_sites(grid)
         outcome: dict[str, dict[str, Any]] = {site: {"delivered": False, "reason": "not connected"}
                                               for site in self.sites if site not in online}
+        outcome |= {site: {"delivered": False, "reason": "its operator declined this run"} for site in self.declined}
         messages: dict[str, Message] = {}
         for site in self.sites:
-            if site not in online:
+            if site not in online or site in self.declined:
                 continue
             parts = final_models(state, site)
             self._check_final_parts(parts)

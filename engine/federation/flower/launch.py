@@ -159,7 +159,11 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
                     reply = Message(Error(ErrorCode.INVALID_FAB, str(exc)), reply_to=message)
                     module._insert_message(reply, state, object_store)
                     return run_id
-                refusal = _refuse_spec(policy, run_info, fab.content, run_id)
+                refusal, settings = _refuse_spec(policy, run_info, fab.content, run_id)
+                if refusal is None and settings is not None and policy and policy.get("confirm_dir"):
+                    # the operator's answer before a byte of the payload (engine.federation.flower.run_confirmation)
+                    refusal = _operator_refusal(Path(policy["confirm_dir"]), run_id, settings, site,
+                                                float(policy.get("confirm_timeout", CONFIRM_WAIT_S)))
                 if refusal is not None:
                     say(f"{REFUSED_SPEC} {refusal}")
                     reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, refusal), reply_to=message)
@@ -177,21 +181,40 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
     module._pull_and_store_message = guarded
 
 
+#: How long the SuperNode waits for the operator's answer to a new run before it answers the message
+#: "not yet" (the question stays; the run's next message waits again).
+CONFIRM_WAIT_S = 600.0
+
+
 def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes, flower_run: int | None = None
-                 ) -> str | None:
-    """Why the run's signed settings are refused under ``policy`` (``None``: accepted or no policy)."""
+                 ) -> tuple[str | None, dict[str, Any] | None]:
+    """Why the run's signed settings are refused under ``policy`` (``None``: accepted or no policy), and the
+    verified settings when accepted."""
     if policy is None:
-        return None
+        return None, None
 
     try:
-        verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
-                        ca_cert=Path(policy["ca_cert"]) if policy.get("ca_cert") else None,
-                        app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")),
-                        flower_run=flower_run, ledger=RunLedger(Path(policy["ledger"])) if policy.get("ledger")
-                        else None)
+        settings = verify_envelope((getattr(run_info, "override_config", None) or {}).get(RUN_CONFIG_KEY),
+                                   ca_cert=Path(policy["ca_cert"]) if policy.get("ca_cert") else None,
+                                   app_hash=app_hash(fab), bounds=SiteBounds.from_dict(policy.get("bounds")),
+                                   flower_run=flower_run,
+                                   ledger=RunLedger(Path(policy["ledger"])) if policy.get("ledger") else None)
     except FedSMError as exc:  # RunSpecRefused, or unusable bounds: refused either way, never a crash
-        return str(exc)
-    return None
+        return str(exc), None
+    return None, settings
+
+
+def _operator_refusal(folder: Path, flower_run: int, settings: dict[str, Any], site: str,
+                      timeout: float) -> str | None:
+    """``None`` when the site's operator accepted ``flower_run``; else why its message is refused unpulled."""
+    from engine.federation.flower.run_confirmation import DECLINED, ask
+
+    answer = ask(folder, flower_run, settings, timeout)
+    if answer:
+        return None
+    if answer is None:
+        return f"the operator of site {site} has not answered yet whether to join this run"
+    return f"{DECLINED}: the operator of site {site} declined this run's settings"
 
 
 def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | None,

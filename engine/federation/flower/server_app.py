@@ -29,6 +29,7 @@ from engine.federation.events import EventWriter
 from engine.federation.flower import records
 from engine.federation.flower.final_evaluation import ACTION, decode_evaluation, site_weights
 from engine.federation.flower.grid_exchange import QUERY, TRAIN, exchange
+from engine.federation.flower.run_confirmation import DECLINED
 from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 
 if TYPE_CHECKING:
@@ -171,6 +172,9 @@ class FederationRunner:
         #: bounds on every site's update (``[robust]``); see :mod:`engine.fl.robust`
         self.robust = RobustSettings()
         self.screen = UpdateScreen(self.robust, lambda site, message: self.events.error(message, site=site))
+        #: sites whose operator declined this run (engine.federation.flower.run_confirmation): absent for the
+        #: rest of the run, final evaluation included
+        self.declined: set[str] = set()
 
     @property
     def sites(self) -> tuple[str, ...]:
@@ -252,6 +256,9 @@ class FederationRunner:
         wire, encoded = self.method.wire_parts(rnd), DownCache()
         masters: dict[str, WeightSet] = {}
         for site in self.sites:
+            if site in self.declined:
+                left_out[site] = "its operator declined this run"
+                continue
             if site not in online:
                 left_out[site] = "not connected"
                 continue
@@ -272,7 +279,11 @@ class FederationRunner:
 
         def on_reply(site: str, reply: Message) -> None:
             if reply.has_error():
-                left_out[site] = f"the site answered with an error: {reply.error.reason}"
+                if DECLINED in reply.error.reason:  # refused unpulled by the site's SuperNode, for the whole run
+                    self.declined.add(site)
+                    left_out[site] = "its operator declined this run"
+                else:
+                    left_out[site] = f"the site answered with an error: {reply.error.reason}"
                 self.events.error(left_out[site], site=site, round=rnd)
                 return
             try:
@@ -449,7 +460,7 @@ def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> di
     online = runner.online_sites(grid)
     messages = {site: Message(evaluate_request(runner, state, site), dst_node_id=node, message_type=QUERY,
                               ttl=runner.settings.round_timeout)
-                for site, node in online.items() if site in runner.sites}
+                for site, node in online.items() if site in runner.sites and site not in runner.declined}
     if not messages:
         return {}
     runner.events.status(f"final evaluation at {len(messages)} site(s): validation and testing Dice of the final "

@@ -72,11 +72,22 @@ def run_ledger(cfg: SiteConfig) -> RunLedger:
     return RunLedger(cfg.work_dir / LEDGER_FILE)
 
 
-def run_policy(cfg: SiteConfig, insecure: bool) -> dict[str, Any]:
+def run_policy(cfg: SiteConfig, insecure: bool, confirm: bool = False) -> dict[str, Any]:
     """What a run's signed settings are checked against: the federation CA (none when insecure), [bounds],
-    and the ledger of accepted runs."""
-    return {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
-            "bounds": bounds_dict(site_bounds(cfg)), "ledger": str(run_ledger(cfg).path)}
+    the ledger of accepted runs, and with ``confirm`` the folder where the SuperNode asks for the operator's
+    answer before it pulls a new run's payload (:mod:`engine.federation.flower.run_confirmation`)."""
+    policy = {"ca_cert": None if insecure or cfg.ca_cert is None else str(cfg.ca_cert),
+              "bounds": bounds_dict(site_bounds(cfg)), "ledger": str(run_ledger(cfg).path)}
+    if confirm:
+        policy["confirm_dir"] = str(confirmation_folder(cfg))
+    return policy
+
+
+def confirmation_folder(cfg: SiteConfig) -> Path:
+    """Where the site's SuperNode and its process exchange the operator's answer to each new run."""
+    from engine.federation.flower.run_confirmation import FOLDER
+
+    return cfg.work_dir / FOLDER
 
 
 def check_run_settings(cfg: SiteConfig, insecure: bool, run_config: Any, fab: bytes,
@@ -111,6 +122,8 @@ class SuperNodeSupervisor:
         self.sent_count = 0
         #: the SuperNode's Runtime API answers only requests with this secret (local_auth)
         self.local_secret = new_secret()
+        #: the operator answers each new run before the SuperNode pulls its payload (``--confirm-runs``)
+        self.confirm_runs = False
 
     def argv(self) -> list[str]:
         args = ["--superlink", self.cfg.coordinator, "--isolation", "process", "--host", "127.0.0.1",
@@ -122,7 +135,7 @@ class SuperNodeSupervisor:
                      str(self.cfg.private_key)]
         return launcher_argv("supernode", args, poll_interval=self.cfg.poll_interval,
                              approved_apps=list(self.cfg.approved_apps), site=self.cfg.name,
-                             run_policy=json.dumps(run_policy(self.cfg, self.insecure)))
+                             run_policy=json.dumps(run_policy(self.cfg, self.insecure, self.confirm_runs)))
 
     def _on_line(self, line: str) -> None:
         text = _ANSI.sub("", line)
@@ -254,6 +267,21 @@ class TaskExecutor:
             if self.confirm is not None:
                 self.events.status(f"the operator {'accepted' if accepted else 'declined'} the run's settings")
         return self._announced[key]
+
+    def answer_pending_runs(self) -> None:
+        """Ask the operator about each new run the SuperNode is holding back, and give it the answer.
+
+        The SuperNode asks before it pulls any of the run's payload (:func:`.launch.guard_apps`); the
+        answer is recorded for the run, so the task's own check later reads the same answer without
+        asking again.
+        """
+        from engine.federation.flower.run_confirmation import pending, record
+
+        if self.confirm is None:
+            return
+        folder = confirmation_folder(self.cfg)
+        for flower_run, settings in pending(folder):
+            record(folder, flower_run, self._announce(settings))
 
     def acquire(self, client: Any) -> str | None:
         """A task token if the SuperNode has a ClientApp task waiting."""
@@ -389,6 +417,7 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
     worker = SiteWorker(cfg, events, cancel=stopping, validate=validate)
     port = cfg.runtime_port or free_port()
     supervisor = SuperNodeSupervisor(cfg, insecure, port, events, cfg.work_dir / "supernode.log")
+    supervisor.confirm_runs = confirm is not None
     executor = TaskExecutor(cfg, f"127.0.0.1:{port}", build_client_app(worker), worker, events,
                             local_secret=supervisor.local_secret)
     executor.insecure = insecure
@@ -402,6 +431,7 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
         client = executor._client()
         try:
             while not stopping():
+                executor.answer_pending_runs()  # new runs wait for the operator before any payload is pulled
                 token = executor.acquire(client)
                 if token is None:
                     if watch is not None and watch.gone():
