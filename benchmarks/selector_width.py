@@ -1,24 +1,24 @@
 """Which selector width should FedSM default to? Routing, unseen-site detection, calibration and bytes per width.
 
-For each task, seed and VGG-11 width (64 is the paper's), one ``fedsm simulate`` FedSM run with the
-last site held out (leave-one-site-out): the selector trains on the other sites and the report gives
+FedSM's model selector alone, trained as FedSM trains it by default (the reference scheme: one pass
+and one Adam step per site and round, weights and Adam moments averaged, 16-bit on the wire through
+the in-process transport), on synthetic sites with the last site held out (leave-one-site-out), for
+each task, seed (own data per seed) and VGG-11 width (64 is the paper's). Reported:
 
-- **routing accuracy**: the share of the participating sites' test images the selector assigns to
-  their own site (argmax; ``extra.selector_accuracy.overall``);
-- **ECE** of its confidence on those images (``extra.selector.ece.participating``);
-- **unseen to global**: the share of the held-out site's images routed to the global model at the
-  run's gamma, by the selector alone and with the style gate (``routing_per_gamma``);
-- **seen to own model** at that gamma (selector alone);
-- FedSM's routed Dice on the participating sites, and the bytes a site receives and sends per
-  round (mean over the run's rounds, the last one, in float32, included).
-
-Each seed has its own synthetic data (data seed = training seed), shared by the widths.
+- **routing accuracy**: the share of the participating sites' test images assigned to their own
+  site (argmax);
+- **ECE** of the top-1 confidence on those images;
+- **seen to own model**: the share of those images routed to their own site's model at gamma
+  (confidence above gamma and the right site);
+- **unseen to global**: the share of the held-out site's images whose confidence is at most gamma;
+- **MiB each way** per site and round (the selector and its two Adam moments as they travel);
+- wall seconds of the training.
 
     python benchmarks/selector_width.py --out runs/selector-width [--tasks fundus,prostate] [--seeds 0,1,2]
-        [--widths 8,16,32,64] [--rounds 10] [--sites 5]
+        [--widths 8,16,32,64] [--rounds 60] [--sites 5] [--gamma 0.6]
 
-Writes ``OUT/selector_width.json`` (every run's figures) and ``OUT/selector_width.md`` (the table,
-mean and per-seed values); runs already in ``OUT`` are reused.
+Writes ``OUT/selector_width.json`` and ``OUT/selector_width.md`` (mean, then per seed); runs already
+in ``OUT`` are reused.
 """
 
 from __future__ import annotations
@@ -28,58 +28,113 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 
-def _at_gamma(rows: list[dict[str, Any]], gamma: float) -> dict[str, Any]:
-    return min(rows, key=lambda r: abs(float(r["gamma"]) - gamma))
+def selector_only_method(task: Any, site_names: list[str], training: Any, seed: int, rounds: int) -> Any:
+    """FedSM's selector training alone, as a :class:`engine.fl.methods.FederatedMethod` (its server and site
+    halves are FedSM's: the same initial weights, rounds and aggregation)."""
+    import numpy as np
+
+    from engine.fl.aggregation import fedavg
+    from engine.fl.methods import OPTIM_PART, FederatedMethod, SiteUpdate, derived_seed
+    from engine.fl.methods.contract import SiteInstructions
+    from engine.fl.selector_training import initial_optimizer_state, reference_selector_round
+    from engine.models import build_selector
+
+    class SelectorOnly(FederatedMethod):
+        name = "fedsm-selector"
+
+        def initial_state(self) -> dict[str, Any]:
+            return {"selector": self._initial_selector(len(self.site_names)),
+                    OPTIM_PART: initial_optimizer_state(build_selector(
+                        self.task.in_channels, len(self.site_names), self.training.selector_head,
+                        self.training.selector_width))}
+
+        def site_instructions(self, state: Mapping[str, Any], rnd: int, site: str) -> Any:
+            return SiteInstructions(rnd, {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]})
+
+        def expected_update_shapes(self, state: Mapping[str, Any], site: str) -> dict[str, Any]:
+            return {"selector": state["selector"], OPTIM_PART: state[OPTIM_PART]}
+
+        def aggregate(self, state: Mapping[str, Any], rnd: int, updates: Mapping[str, Any]) -> dict[str, Any]:
+            return {part: fedavg([(u.weights[part], u.num_samples) for u in updates.values()])
+                    for part in ("selector", OPTIM_PART)}
+
+        def train_at_site(self, instructions: Any, site: Any, progress: Any = None, cancel: Any = None) -> Any:
+            w = instructions.weights
+            seed_ = derived_seed(self._site_seed(instructions.round, site), "selector")
+            sel, optim, metrics = reference_selector_round(
+                self.task, w["selector"], w[OPTIM_PART], np.full(len(site.train.images), site.index),
+                len(self.site_names), site.train.images, self.training, seed_,
+                self._context(instructions.round, site, progress, cancel))
+            return SiteUpdate({"selector": sel, OPTIM_PART: optim}, len(site.train.images), metrics)
+
+    return SelectorOnly(task, site_names, training, seed, rounds)
 
 
-def figures(report: dict[str, Any]) -> dict[str, float]:
-    """The table's figures from one run's report.json."""
-    fedsm = report["methods"]["fedsm"]
-    extra = fedsm["extra"]
-    sel = extra["selector"]
-    row = _at_gamma(sel["routing_per_gamma"], float(sel["gamma"]))
-    traffic = fedsm["bytes_per_round"].values()
-    down = [t["received_mean"] for t in traffic]
-    up = [t["sent_mean"] for t in traffic]
-    return {
-        "routing_accuracy": float(extra["selector_accuracy"]["overall"]),
-        "ece": float(sel["ece"]["participating"]),
-        "seen_own": float(row["seen"]["own_site"]),
-        "unseen_global": float(row["unseen"]["global"]),
-        "unseen_global_gated": float(row.get("unseen_gated", row["unseen"])["global"]),
-        "dice": float(fedsm["client_average"]["mean"]),
-        "mib_down": statistics.fmean(down) / 2**20,
-        "mib_up": statistics.fmean(up) / 2**20,
-        "wall_s": float(fedsm["wall_s"]),
+def run_one(task_name: str, seed: int, width: int, args: argparse.Namespace) -> dict[str, float]:
+    import numpy as np
+
+    from engine.data.site_data import load_site
+    from engine.data.synth import existing_federation, generate_federation
+    from engine.federation.inprocess import run_rounds
+    from engine.fl.local_training import LocalTrainingConfig
+    from engine.fl.methods import SiteRuntime
+    from engine.fl.selector_schemes import default_selector_lr
+    from engine.fl.selector_training import expected_calibration_error, selector_logits
+    from engine.tasks import get_task
+
+    out = args.out / f"{task_name}-s{seed}-w{width}.json"
+    if out.exists():
+        return json.loads(out.read_text())
+    task = get_task(task_name)
+    data_dir = args.out / f"data-{task_name}-s{seed}"
+    size = args.image_size
+    datalists = (existing_federation(data_dir, task_name, args.sites, size, seed)
+                 or generate_federation(task_name, args.sites, data_dir, image_size=size, seed=seed))
+    loaded = [load_site(p, task, size) for p in datalists]
+    seen, unseen = loaded[:-1], loaded[-1]
+    training = LocalTrainingConfig(device="cpu", selector_width=width, selector_lr=default_selector_lr("none", None))
+    names = [s.name for s in seen]
+    method = selector_only_method(task, names, training, seed, args.rounds)
+    runtimes = [SiteRuntime(s.name, k, s.train) for k, s in enumerate(seen)]
+    started = time.perf_counter()
+    state, records = run_rounds(method, runtimes, args.rounds)
+    wall = time.perf_counter() - started
+
+    def probs(images: np.ndarray) -> np.ndarray:
+        logits = selector_logits(task, state["selector"], len(names), images, training).numpy()
+        e = np.exp(logits - logits.max(1, keepdims=True))
+        return e / e.sum(1, keepdims=True)
+
+    seen_p = [probs(s.test.images) for s in seen]
+    labels = np.concatenate([np.full(len(p), k) for k, p in enumerate(seen_p)])
+    p = np.concatenate(seen_p)
+    unseen_p = probs(np.concatenate([unseen.train.images, unseen.validation.images, unseen.test.images]))
+    per_round = [statistics.fmean(r.bytes_to_site.values()) for r in records]
+    figures = {
+        "routing_accuracy": float((p.argmax(1) == labels).mean()),
+        "ece": float(expected_calibration_error(p, labels)),
+        "seen_own": float(((p.argmax(1) == labels) & (p.max(1) > args.gamma)).mean()),
+        "unseen_global": float((unseen_p.max(1) <= args.gamma).mean()),
+        "mib_each_way": statistics.fmean(per_round) / 2**20,
+        "wall_s": wall,
     }
-
-
-def run_one(task: str, seed: int, width: int, args: argparse.Namespace) -> dict[str, float]:
-    from engine import api
-
-    out = args.out / f"{task}-s{seed}-w{width}"
-    report_path = out / "report.json"
-    if not report_path.exists():
-        started = time.perf_counter()
-        api.simulate(out, task=task, sites=args.sites, rounds=args.rounds, methods=("fedsm",),
-                     image_size=args.image_size, seed=seed, selector_width=width,
-                     holdout_site=f"site{args.sites}", device="cpu", data_dir=str(args.out / f"data-{task}-s{seed}"))
-        print(f"{task} seed {seed} width {width}: {time.perf_counter() - started:.0f} s", flush=True)
-    return figures(json.loads(report_path.read_text()))
+    out.write_text(json.dumps(figures))
+    print(f"{task_name} seed {seed} width {width}: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()),
+          flush=True)
+    return figures
 
 
 COLUMNS = (("routing_accuracy", "routing acc.", 3), ("ece", "ECE", 3), ("seen_own", "seen to own model", 3),
-           ("unseen_global", "unseen to global (selector)", 3), ("unseen_global_gated", "unseen to global (gate)", 3),
-           ("dice", "FedSM Dice", 4), ("mib_down", "MiB down", 2), ("mib_up", "MiB up", 2))
+           ("unseen_global", "unseen to global", 3), ("mib_each_way", "MiB each way", 2), ("wall_s", "train s", 0))
 
 
 def table(results: dict[str, dict[str, float]], tasks: list[str], seeds: list[int], widths: list[int]) -> str:
-    lines = ["| task | width | " + " | ".join(c[1] for c in COLUMNS) + " |",
-             "|---|---|" + "---|" * len(COLUMNS)]
+    lines = ["| task | width | " + " | ".join(c[1] for c in COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
     for task in tasks:
         for width in widths:
             cells = []
@@ -98,9 +153,10 @@ def main() -> None:
     parser.add_argument("--tasks", default="fundus,prostate")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--widths", default="8,16,32,64")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--sites", type=int, default=5, help="sites generated; the last is held out")
-    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--gamma", type=float, default=0.6)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -113,11 +169,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {f"{t}-s{s}-w{w}": run_one(t, s, w, args) for t in tasks for s in seeds for w in widths}
     (args.out / "selector_width.json").write_text(json.dumps({"settings": {
-        "rounds": args.rounds, "sites": args.sites, "image_size": args.image_size, "holdout": f"site{args.sites}"},
-        "runs": results}, indent=1))
-    text = (f"Selector width, leave-one-site-out (site{args.sites} held out), {args.rounds} rounds, "
-            f"{args.image_size} px, seeds {args.seeds} (mean, then per seed)\n\n"
-            + table(results, tasks, seeds, widths))
+        k: str(v) for k, v in vars(args).items()}, "runs": results}, indent=1))
+    text = (f"Selector width, FedSM's selector alone (reference scheme), leave-one-site-out (site{args.sites} held "
+            f"out), {args.rounds} rounds, {args.image_size} px sites, gamma {args.gamma}, seeds {args.seeds} "
+            "(mean, then per seed)\n\n" + table(results, tasks, seeds, widths))
     (args.out / "selector_width.md").write_text(text + "\n")
     print(text)
 
