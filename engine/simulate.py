@@ -24,12 +24,13 @@ from engine import catalogue
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.bundle.split import SplitBundle, save_split_bundle
-from engine.catalogue import DEFAULT_LAM, build_method, extra_rounds_default, method_names
+from engine.catalogue import build_method, extra_rounds_default, method_names
 from engine.data.disc_crop import check_mode
 from engine.data.site_data import SplitArrays, load_site
 from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 from engine.errors import ConfigError, FedSMError
 from engine.federation.exchange_ledger import LedgerWriter
+from engine.fl.method_spec import default_lam
 from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
 from engine.fl.selector_schemes import check_calibration, default_selector_lr
 from engine.inference.guard import site_validation_from_state
@@ -154,7 +155,7 @@ class SimulationConfig:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
         if self.lam is None:
             # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
-            self.lam = max(DEFAULT_LAM[self.task], 1.0 / training_sites)
+            self.lam = default_lam(self.task, training_sites)  # one rule for simulation and network
         if {"fedsm", "fedsm-extra"} & set(self.methods):
             from engine.fl.aggregation import check_lam
 
