@@ -125,7 +125,12 @@ def run_rounds(
             if robust is None:
                 state = method.aggregate(state, rnd, updates)
             else:
-                aggregated, refused = aggregate_leaving_out(method, state, rnd, updates, robust)
+                def clipped(name: str, message: str, rnd: int = rnd) -> None:
+                    if progress:
+                        progress({"event": "error", "method": method.name, "round": rnd, "site": name,
+                                  "message": message})
+
+                aggregated, refused = aggregate_leaving_out(method, state, rnd, updates, robust, clipped)
                 for name, reason in refused.items():
                     updates.pop(name)
                     failed[name] = reason

@@ -193,3 +193,49 @@ def test_coordinate_wise_median_and_trimmed_mean():
     assert torch.equal(coordinate_wise(parts, "median")["w"], torch.tensor([3.0, 20.0]))
     assert torch.allclose(coordinate_wise(parts, "trimmed_mean", 0.2)["w"], torch.tensor([3.0, 20.0]))
     assert torch.equal(coordinate_wise(parts[:2], "median")["w"], torch.tensor([1.5, 15.0]))
+
+
+def _times_five(reply):
+    """site3's answer on the wire: every model difference it sends times 5 (within max_relative_update)."""
+    content = reply.content
+    site, rnd = content["fedsm"]["site"], content["fedsm"]["round"]
+    update = records.decode_update(content, site, rnd)
+    models = {p: {k: v * 5 if v.dtype.is_floating_point else v for k, v in w.items()}
+              for p, w in update.weights.items()}
+    reply.content = records.encode_update(SiteUpdate(models, update.num_samples, update.metrics), site=site, rnd=rnd)
+    return reply
+
+
+def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path, tmp_path_factory):
+    from engine.data.synth import generate_federation
+    from engine.fl.robust import _change_norm
+
+    datalists = generate_federation("fundus", 3, tmp_path_factory.mktemp("three"), image_size=32, seed=1)
+    spec = MethodSpec(method="fedavg", task="fundus", site_names=("site1", "site2", "site3"), rounds=1,
+                      image_size=32, batch_size=4)
+
+    def run(tamper):
+        events: list[dict] = []
+        workers = workers_for(datalists, tmp_path / str(len(list(tmp_path.iterdir()))))
+        name = {node: w.cfg.name for node, w in workers.items()}
+        grid = FakeGrid(workers, tamper=lambda node, r: tamper(r) if name[node] == "site3" else r)
+        method = build_method(spec, "cpu")
+        runner = FederationRunner(method, spec, RoundSettings(min_sites=1, round_timeout=30.0, start_timeout=2.0,
+                                                              round_attempts=1, poll_interval=0.01),
+                                  RegisteredSites({w.cfg.name: node for node, w in workers.items()}),
+                                  EventWriter("server", listener=events.append), tmp_path / "ckpt.safetensors",
+                                  "session1", "sha256:" + "0" * 64)
+        initial = method.initial_state()
+        return initial, runner._round(grid, initial, 1, _NoWriter()), events
+
+    initial, honest, honest_events = run(lambda r: r)
+    _, attacked, events = run(_times_five)
+    assert RobustSettings().clip == 2.0  # the default: measured in docs/results.md, "Robust aggregation"
+    clipped = [e for e in events
+               if e["event"] == "error" and e.get("site") == "site3" and "[robust] clip" in e["message"]]
+    assert clipped and not any("[robust] clip" in e.get("message", "") for e in honest_events)
+    end = next(e for e in events if e["event"] == "round_end")
+    assert end["answered"] == ["site1", "site2", "site3"]  # inside every bound: kept, only made smaller
+    moved = _change_norm(attacked["global"], initial["global"])
+    honest_moved = _change_norm(honest["global"], initial["global"])
+    assert moved < 1.6 * honest_moved, (moved, honest_moved)  # unclipped (clip = 0): 4.4x here
