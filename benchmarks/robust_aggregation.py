@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-RULES = {"mean": {}, "clip1": {"clip": 1.0}, "clip2": {"clip": 2.0}, "median": {"aggregation": "median"}}
+RULES = {"mean": {"clip": 0.0}, "clip1": {"clip": 1.0}, "clip2": {"clip": 2.0},
+         "median": {"aggregation": "median", "clip": 0.0}}
 ATTACKS = {"none": None, "x5": 5.0, "flip": -1.0}
 #: Parts a site's answer carries models in (engine.fl.robust.NORM_PARTS without Scaffold's control).
 MODEL_PARTS = ("global", "personal", "selector")
