@@ -31,7 +31,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
+from PIL import Image
 
 from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
 from engine.errors import FedSMError
@@ -86,8 +88,6 @@ def label_map_reason(path: Path, volumetric: bool) -> str | None:
 
 
 def _photo_reason(path: Path) -> str | None:
-    from PIL import Image
-
     with Image.open(path) as img:
         if img.mode not in ("L", "P", "1", "I;16", "I"):
             return None
@@ -106,8 +106,6 @@ def _volume_reason(path: Path) -> str | None:
     name = path.name.lower()
     if not name.endswith((".nii", ".nii.gz")):
         return None
-    import nibabel as nib
-
     img = nib.load(str(path))
     if not np.issubdtype(img.get_data_dtype(), np.integer):
         return None
