@@ -1,6 +1,6 @@
 """The engine's public facade: what the CLI and the desktop app call.
 
-Importing this module is cheap (no torch, no MONAI); each call imports what it needs.
+Importing this module is cheap (no torch, no MONAI, no numpy); each call imports the heavy modules it needs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from engine.errors import (
     FedSMError,
     WeightsError,
 )
+from engine.federation.demo_site import demo_site_command as _demo_site_command
+from engine.security.run_review import review_rows
+from engine.security.run_spec import format_settings
 
 if TYPE_CHECKING:  # types only: importing them at run time would pull in numpy-heavy modules
     from engine.inference.cup_disc import CupToDisc
@@ -205,9 +208,7 @@ def read_bundle_metadata(path: Path) -> dict[str, Any]:
 
 def demo_site_command(workdir: Path, site: str = "site1", rounds: int = 3) -> list[str]:
     """Command line of a simulated site (``python -m engine.federation.demo_site``) for the app's Join."""
-    from engine.federation.demo_site import demo_site_command as command
-
-    return command(Path(workdir), site=site, rounds=rounds)
+    return _demo_site_command(Path(workdir), site=site, rounds=rounds)
 
 
 def preload_super_model(path: Path, device: str = "auto") -> dict[str, Any]:
@@ -307,8 +308,6 @@ RUN_ACCEPT, RUN_DECLINE = "accept", "decline"
 
 def review_run_settings(settings: dict[str, Any], bounds: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows ``{"setting", "value", "bound", "ok"}``: a ``run_settings`` event's settings against the site's bounds."""
-    from engine.security.run_review import review_rows
-
     return review_rows(settings, bounds)
 
 
@@ -335,6 +334,4 @@ def format_run_settings(settings: dict[str, Any]) -> str:
     ``settings`` is the event's ``settings`` (what the coordinator signed and this site checked
     against the ``[bounds]`` of its site.toml; see ``engine.security.run_spec``).
     """
-    from engine.security.run_spec import format_settings
-
     return format_settings(settings)

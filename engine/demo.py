@@ -25,7 +25,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from engine.bundle import SuperModelBundle, file_sha256, load_bundle, save_bundle
+from engine.data.synth import existing_federation, generate_federation, render_fundus, site_profiles
 from engine.errors import ConfigError
+from engine.io.atomic import write_text_atomic
+from engine.io.files import write_label_png, write_rgb_png
 from engine.tasks import get_task
 from engine.threads import use_free_cores
 
@@ -104,8 +110,6 @@ def _read_manifest(folder: Path, settings: DemoSettings, files: tuple[str, ...])
     if not isinstance(names, dict) or not all(isinstance(names.get(k), str) and (folder / names[k]).is_file()
                                                for k in files):
         return None
-    from engine.bundle import file_sha256
-
     if file_sha256(folder / names["bundle"]) != manifest.get("bundle_sha256"):
         log.warning("demo super model in %s does not match its manifest; not using it", folder)
         return None
@@ -162,8 +166,6 @@ def _paths(root: Path, cache_dir: Path, manifest: dict[str, Any], source: str) -
 
 def _demo_sites(data_dir: Path, cfg: DemoSettings) -> list[Path]:
     """The demo's synthetic sites' datalists: reused when complete and matching, else written."""
-    from engine.data.synth import existing_federation, generate_federation
-
     found = existing_federation(data_dir, cfg.task, cfg.sites, cfg.photo_size, cfg.seed, cases_scale=cfg.cases_scale)
     if found is not None:
         return found
@@ -189,12 +191,8 @@ def choose_study(bundle_path: Path, out_dir: Path, settings: DemoSettings) -> tu
     records the chosen candidate and how the super model routed it (``case``, ``model``,
     ``confidence``, ``reason``, ``unlike_sites``).
     """
-    import numpy as np
-
     from engine.data.preprocess import normalise_rgb
-    from engine.data.synth import render_fundus, site_profiles
     from engine.inference.study import load_predictor
-    from engine.io.files import write_label_png, write_rgb_png
 
     predictor = load_predictor(bundle_path, "auto").predictor
     site_names = list(predictor.metadata.site_names)
@@ -230,9 +228,6 @@ def validation_dice(bundle_path: Path, datalists: list[Path], image_size: int) -
 
     The masks are cleaned as the app shows them (:func:`engine.inference.postprocess.clean_fundus_masks`).
     """
-    import numpy as np
-
-    from engine.bundle import load_bundle
     from engine.data.site_data import load_site
     from engine.fl.evaluation import dice_per_case
     from engine.inference.postprocess import clean_fundus_masks
@@ -313,7 +308,6 @@ def prepare_demo(cache_dir: Path, progress: ProgressFn | None = None, cancel: Ca
 
 def _train(cache_dir: Path, cfg: DemoSettings, progress: ProgressFn | None,
            cancel: Callable[[], bool] | None) -> dict[str, Any]:
-    from engine.io.atomic import write_text_atomic
     from engine.simulate import SimulationConfig, run_simulation
 
     (cache_dir / MANIFEST).unlink(missing_ok=True)
@@ -373,8 +367,6 @@ def half_precision_bundle(source: Path, target: Path, note: dict[str, Any]) -> s
     is a normal one at half the size. ``note`` is recorded in the metadata's ``extra["demo"]``.
     Returns the written file's SHA-256.
     """
-    from engine.bundle import SuperModelBundle, load_bundle, save_bundle
-
     full = load_bundle(source)
 
     def half(weights: dict[str, Any]) -> dict[str, Any]:
@@ -395,8 +387,6 @@ def build_shipped_demo(out_dir: Path, work_dir: Path, progress: ProgressFn | Non
     the demo photo's routing are measured again on that file. The manifest is written last.
     Returns the manifest.
     """
-    from engine.io.atomic import write_text_atomic
-
     cfg = DemoSettings()
     out_dir, work_dir = Path(out_dir).absolute(), Path(work_dir).absolute()
     trained = prepare_demo(work_dir, progress, cancel, retrain=True)

@@ -11,6 +11,7 @@ from engine.bundle.supermodel import single_model_methods
 from engine.fl.registry import SPLIT_LEARNING_METHODS
 from engine.io.atomic import write_text_atomic
 from engine.io.privacy import scrub_absolute_paths
+from engine.models.selector import head_parameter_count
 from engine.tasks import TaskSpec
 
 #: Titles of the dialogue methods; the weight methods' titles are in :mod:`engine.catalogue`.
@@ -31,8 +32,6 @@ def traffic_summary(task: TaskSpec, cfg: Any, num_sites: int, results: dict[str,
     The classic-head figure replaces the selector's head in both directions of FedSM's
     payload, computed from parameter counts (float32), so no 120M-parameter model is built.
     """
-    from engine.models.selector import head_parameter_count
-
     out: dict[str, Any] = {"unit": "bytes, float32 tensors, mean over sites and rounds"}
     for name, r in results.items():
         b = r.bytes_per_round

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from engine import catalogue
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
@@ -30,11 +31,27 @@ from engine.data.site_data import SplitArrays, load_site
 from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 from engine.errors import ConfigError, FedSMError
 from engine.federation.exchange_ledger import LedgerWriter
+from engine.federation.inprocess import run_exchange_rounds, run_rounds
+from engine.fl.aggregation import check_lam
+from engine.fl.evaluation import dice_per_case, segment_with
+from engine.fl.exchange import ExchangeMethod
+from engine.fl.local_training import Device, LocalTrainingConfig
 from engine.fl.method_spec import default_lam
+from engine.fl.methods import FedSM, SiteRuntime
+from engine.fl.model_selection import BestRoundKeeper, attach_best_round
+from engine.fl.personalization import check_personalization
 from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
+from engine.fl.robust import RobustSettings
+from engine.fl.routing_choice import CHOICE_PART, choice_summary
+from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
 from engine.fl.selector_schemes import check_calibration, default_selector_lr
+from engine.fl.style_gate import GATE_PART, bundle_site_routing, check_site_routing, gate_metadata
+from engine.fl.wire_precision import check_wire_precision
 from engine.inference.guard import site_validation_from_state
+from engine.inference.predictor import SuperModelPredictor
+from engine.models.style_gate_format import check_quantile
 from engine.report import traffic_summary, write_reports
+from engine.selector_report import SiteImages, selector_report
 from engine.tasks import TaskSpec, get_task
 
 log = logging.getLogger(__name__)
@@ -117,9 +134,6 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         get_task(self.task)
         check_mode(self.fundus_crop)
-        from engine.fl.robust import RobustSettings
-        from engine.fl.wire_precision import check_wire_precision
-
         self.wire_precision = check_wire_precision(self.wire_precision)
         RobustSettings.from_dict(self.robust, "robust")  # checked now, not after the first method trained
         if self.datalists:
@@ -136,19 +150,11 @@ class SimulationConfig:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
 
         check_calibration(self.selector_calibration)
-        from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
-
         self.gamma = parse_gamma(self.gamma)
         self.gamma_pass = check_pass_fraction(self.gamma_pass)
         if self.style_gate is not None:
-            from engine.models.style_gate_format import check_quantile
-
             self.style_gate = check_quantile(self.style_gate)
-        from engine.fl.style_gate import check_site_routing
-
         self.site_routing = check_site_routing(self.site_routing, self.style_gate)
-        from engine.fl.personalization import check_personalization
-
         self.personalization = check_personalization(self.personalization)
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
@@ -157,8 +163,6 @@ class SimulationConfig:
             # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
             self.lam = default_lam(self.task, training_sites)  # one rule for simulation and network
         if {"fedsm", "fedsm-extra"} & set(self.methods):
-            from engine.fl.aggregation import check_lam
-
             check_lam(self.lam, training_sites)
         if self.extra_rounds is None:
             self.extra_rounds = extra_rounds_default(self.rounds)
@@ -166,8 +170,6 @@ class SimulationConfig:
     def training(self, per_batch_selector: bool = False) -> Any:
         """Local training settings; ``per_batch_selector`` for methods that keep the per-batch selector
         (FedSM-extra, the personalization variants), whose default selector lr is the small one."""
-        from engine.fl.local_training import LocalTrainingConfig
-
         scheme = "lda" if per_batch_selector else self.selector_calibration
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                    selector_lr=default_selector_lr(scheme, self.selector_lr),
@@ -229,8 +231,6 @@ class Simulation:
         self.progress = progress
         self.cancel = cancel
         self.task: TaskSpec = get_task(cfg.task)
-        from engine.fl.robust import RobustSettings
-
         #: the coordinator's [robust] bounds, applied as over the network (engine.federation.inprocess)
         self.robust = RobustSettings.from_dict(cfg.robust, "robust")
         self.sites: list[Any] = []
@@ -257,13 +257,9 @@ class Simulation:
             self.holdout = self.sites.pop(names.index(self.cfg.holdout_site))
 
     def _runtimes(self) -> list[Any]:
-        from engine.fl.methods import SiteRuntime
-
         return [SiteRuntime(s.name, i, s.train, validation=s.validation) for i, s in enumerate(self.sites)]
 
     def _pooled_runtime(self) -> Any:
-        from engine.fl.methods import SiteRuntime
-
         parts = [s.train for s in self.sites]
         offsets = np.cumsum([0] + [int(p.case_ids.max(initial=-1)) + 1 for p in parts])
         pooled = SplitArrays(np.concatenate([p.images for p in parts]), np.concatenate([p.masks for p in parts]),
@@ -273,8 +269,6 @@ class Simulation:
     # --- evaluation ----------------------------------------------------------------------
     def _evaluate(self, predict: Callable[[int, np.ndarray], np.ndarray]) -> tuple[dict, dict, dict]:
         """Dice per site, client average and pooled, with ``predict(site_index, images)``."""
-        from engine.fl.evaluation import dice_per_case
-
         labels = self.task.label_names
         per_site: dict[str, dict[str, float]] = {}
         all_cases = []
@@ -308,10 +302,6 @@ class Simulation:
 
     def run_method(self, name: str) -> MethodResult:
         """Train and evaluate one method."""
-        from engine.federation.inprocess import run_rounds
-        from engine.fl.evaluation import segment_with
-        from engine.fl.methods import FedSM
-
         if name in EXCHANGE_METHODS:
             return self.run_exchange_method(name)
         start = time.perf_counter()
@@ -369,8 +359,6 @@ class Simulation:
         """With ``keep_best``: a :class:`~engine.fl.model_selection.BestRoundKeeper` on ``method`` (else ``None``)."""
         if not self.cfg.keep_best:
             return None
-        from engine.fl.model_selection import BestRoundKeeper, attach_best_round
-
         keeper = BestRoundKeeper(self.task, self.sites, self.cfg.device)
         attach_best_round(method, runtimes, keeper)
         self.last_keeper = keeper
@@ -389,8 +377,6 @@ class Simulation:
         ``per_model[site]`` is that site's model's client average over all sites; ``client_average``
         and ``pooled`` average those over the models (the own-site scores stay in the main result).
         """
-        from engine.fl.evaluation import segment_with
-
         per_model: dict[str, dict[str, float]] = {}
         pooled: list[dict[str, float]] = []
         for j, site in enumerate(self.sites):
@@ -409,9 +395,6 @@ class Simulation:
         site segments with the result; ``report_extra(state, runtimes)`` (when the method has
         it) adds method-specific results, and a ``"bundle"`` among them is saved with the report.
         """
-        from engine.federation.inprocess import run_exchange_rounds
-        from engine.fl.evaluation import dice_per_case
-
         start = time.perf_counter()
         settings = asdict(self.cfg)
         settings |= settings.pop("options")
@@ -451,8 +434,6 @@ class Simulation:
         ``ood`` says how site ``k``'s model does on data from elsewhere (BlackFed's Tables 2-3).
         ``shared``: every site uses the same model (FedAvg's global), so each test set is segmented once.
         """
-        from engine.fl.evaluation import dice_per_case
-
         cache: dict[int, float] = {}
 
         def score(k: int, j: int) -> float:
@@ -483,8 +464,6 @@ class Simulation:
 
     def _attach_round_hook(self, method: Any, runtimes: list[Any]) -> None:
         """Call :attr:`round_hook` after each of ``method``'s aggregations (no-op without a hook)."""
-        from engine.fl.exchange import ExchangeMethod
-
         hook = self.round_hook
         if hook is None:
             return
@@ -508,9 +487,6 @@ class Simulation:
         method.aggregate = aggregate_and_report
 
     def _bundle(self, method: Any, state: dict[str, Any], val_dice: dict[str, float | None]) -> Any:
-        from engine.fl.routing_choice import CHOICE_PART, choice_summary
-        from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
-
         extra_method = method.name == "fedsm-extra"
         guarded = not extra_method and "validation_dice" in state
         details: dict[str, Any] = {"seed": self.cfg.seed, "fundus_crop": self.cfg.fundus_crop,
@@ -543,8 +519,6 @@ class Simulation:
 
     def _single_model_bundle(self, name: str, weights: Any, rounds: int) -> Any:
         """FedAvg/FedProx/Scaffold's global model as a single-model bundle, with its per-site validation Dice."""
-        from engine.fl.evaluation import dice_per_case, segment_with
-
         val_dice: dict[str, float | None] = {}
         for site in self.sites:
             v = site.validation
@@ -558,9 +532,6 @@ class Simulation:
 
     def _evaluate_supermodel(self, method: Any, state: dict[str, Any],
                              records: list[Any]) -> tuple[dict, dict, dict, dict[str, Any]]:
-        from engine.fl.evaluation import dice_per_case, segment_with
-        from engine.inference.predictor import SuperModelPredictor
-
         names = [s.name for s in self.sites]
         predictor = SuperModelPredictor(self._bundle(method, state, {n: None for n in names}), self.cfg.device)
 
@@ -621,8 +592,6 @@ class Simulation:
 
     def _unseen_images(self) -> Any:
         """All images of the held-out site (every split is unseen), ``None`` without one."""
-        from engine.selector_report import SiteImages
-
         if self.holdout is None:
             return None
         parts = [self.holdout.train, self.holdout.validation, self.holdout.test]
@@ -633,15 +602,11 @@ class Simulation:
 
     def _selector_analysis(self, predictor: Any) -> dict[str, Any]:
         """Selector confidence, calibration, routing per gamma and guard on/off Dice (:mod:`engine.selector_report`)."""
-        from engine.selector_report import SiteImages, selector_report
-
         seen = [SiteImages(s.name, s.test.images, s.test.masks, s.test.case_ids) for s in self.sites]
         return selector_report(predictor, seen, self._unseen_images(), predictor.metadata.gamma)
 
     def _unseen_dice(self, weights: Any) -> dict[str, Any]:
         """Dice of one model on the held-out site (``{}`` without one)."""
-        from engine.fl.evaluation import dice_per_case, segment_with
-
         unseen = self._unseen_images()
         if unseen is None:
             return {}
@@ -739,10 +704,6 @@ def _site_summary(site: Any) -> dict[str, Any]:
 
 
 def _machine_info(device: str) -> dict[str, Any]:
-    import torch
-
-    from engine.fl.local_training import Device
-
     dev = Device.resolve(device)
     return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),

@@ -16,6 +16,9 @@ import numpy as np
 
 from engine.bench.presets import BenchPreset, TaskPreset
 from engine.errors import ConfigError
+from engine.fl.evaluation import dice_per_case, segment_with
+from engine.fl.methods import FedSM
+from engine.fl.personalization import PERSONALIZATIONS
 from engine.simulate import Simulation, SimulationConfig
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -71,9 +74,6 @@ class BenchSimulation(Simulation):
             self.cfg.lam = self.softpull_lam  # recorded in the results and the bundle as used
 
     def _build_method(self, name: str) -> Any:
-        from engine.fl.methods import FedSM
-        from engine.fl.personalization import PERSONALIZATIONS
-
         kind = name.removeprefix("fedsm-")
         if kind in PERSONALIZATIONS:
             # the one FedSM path (reference selector, gate, auto routing, guard) with another rule
@@ -129,8 +129,6 @@ class CurveRecorder:
         self.last_state: dict[str, Any] = {}
 
     def _client_average(self, weights_for: Callable[[int], Any]) -> float:
-        from engine.fl.evaluation import dice_per_case, segment_with
-
         values = []
         for k, site in enumerate(self.sites):
             val = site.validation

@@ -18,10 +18,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+from monai.metrics import compute_hausdorff_distance
 
 from engine.bench.bench_simulation import BenchSimulation, method_result
 from engine.bench.cache import JobKey
+from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.registry import build_exchange_method
+from engine.inference.predictor import SuperModelPredictor
 
 if TYPE_CHECKING:
     from engine.bench.bench_simulation import JobContext
@@ -67,9 +71,6 @@ def hd95_per_case(pred: np.ndarray, truth: np.ndarray, case_ids: np.ndarray) -> 
     A structure absent from both prediction and truth scores 0; absent from exactly one of them
     it has no distance (NaN, counted separately by :func:`summarise`).
     """
-    import torch
-    from monai.metrics import compute_hausdorff_distance
-
     pred, truth = pred.astype(bool), truth.astype(bool)
     cases = np.unique(case_ids)
     out = np.full((len(cases), pred.shape[1]), np.nan)
@@ -96,8 +97,6 @@ def hd95_per_case(pred: np.ndarray, truth: np.ndarray, case_ids: np.ndarray) -> 
 
 def summarise(predict: Callable[[int, np.ndarray], np.ndarray], sites: list[Any]) -> dict[str, Any]:
     """Client-average Dice and HD95 of ``predict(site_index, images)`` over every site's test split."""
-    from engine.fl.evaluation import dice_per_case
-
     dice, hd, missing, cases = [], [], 0, 0
     for k, site in enumerate(sites):
         masks = predict(k, site.test.images)
@@ -112,9 +111,6 @@ def summarise(predict: Callable[[int, np.ndarray], np.ndarray], sites: list[Any]
 
 def run_fediod_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Train ``key.method`` and evaluate it (and, for the no-DP FedIOD run, every teacher) with Dice and HD95."""
-    from engine.fl.evaluation import segment_with
-    from engine.inference.predictor import SuperModelPredictor
-
     preset = ctx.preset
     cfg = ctx.config(key.seed, len(ctx.sites))
     cfg.fediod_steps = max(1, preset.fediod_steps // max(cfg.rounds, 1))

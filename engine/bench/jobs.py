@@ -26,11 +26,16 @@ from engine.bench.bench_simulation import (
 from engine.bench.cache import JobKey, code_version
 from engine.bench.fediod_bench import fediod_settings, run_fediod_job
 from engine.bench.presets import BenchPreset, TaskPreset
+from engine.bench.routing_analysis import gamma_sweep
 from engine.bench.split_table import split_compute
 from engine.bench.tuning import TUNE, parse_tune_label, tuned_method
 from engine.data.site_data import load_site
 from engine.data.synth import existing_federation, generate_federation
+from engine.device import resolve_device
 from engine.errors import ConfigError
+from engine.fl.blackfed import BlackFedConfig
+from engine.fl.evaluation import dice_per_case, segment_with
+from engine.fl.personalization import PersonalizationConfig
 from engine.tasks import get_task
 
 log = logging.getLogger(__name__)
@@ -65,8 +70,6 @@ def load_task_sites(preset: BenchPreset, tp: TaskPreset, out_dir: Path,
 
 def resolved_device(device: str) -> str:
     """The device a job really runs on (``"cpu"``, ``"cuda"``, ``"cuda:1"``), never ``"auto"``."""
-    from engine.device import resolve_device
-
     dev, _ = resolve_device(device)
     return str(dev)
 
@@ -100,15 +103,11 @@ def job_settings(preset: BenchPreset, tp: TaskPreset, key: JobKey, device: str,
     if key.analysis == "unseen":
         settings["unseen_site"] = preset.unseen_site
     if key.analysis == "blackfed":
-        from engine.fl.blackfed import BlackFedConfig
-
         settings["blackfed"] = asdict(BlackFedConfig())
         settings["keep_best"] = False
     if key.analysis == "fediod":
         settings["fediod"] = fediod_settings(preset, key)
     if key.analysis == "personalization":
-        from engine.fl.personalization import PersonalizationConfig
-
         settings["personalization"] = asdict(PersonalizationConfig())
     return settings
 
@@ -145,8 +144,6 @@ def _train(ctx: JobContext, sites: list[Any], method: str, seed: int, lam: float
 
 def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Run one job and return its JSON-ready result."""
-    from engine.bench.routing_analysis import gamma_sweep
-
     task = get_task(ctx.tp.task)
     names = [s.name for s in ctx.sites]
     if key.analysis == TUNE:
@@ -180,8 +177,6 @@ def run_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
             out["participating"] = gamma_sweep(task, bundle, [(s.name, s.test) for s in train_sites],
                                                ctx.preset.gammas, ctx.device, own_model=own)
         else:
-            from engine.fl.evaluation import dice_per_case, segment_with
-
             masks = segment_with(task, state["global"], unseen.test.images, ctx.device)
             out["unseen_dice"] = float(dice_per_case(masks, unseen.test.masks, unseen.test.case_ids).mean())
         return out

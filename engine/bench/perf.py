@@ -34,10 +34,30 @@ import tracemalloc
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from monai.losses import DiceLoss
 
+from engine.bench.cache import code_version
 from engine.bench.jobs import resolved_device
 from engine.bundle import BundleMetadata, SuperModelBundle
 from engine.data.site_data import SplitArrays
+from engine.device import resolve_device
+from engine.federation.inprocess import weightset_bytes
+from engine.fl.evaluation import segment_with, selector_probabilities
+from engine.fl.local_training import (
+    Device,
+    LocalTrainingConfig,
+    RoundContext,
+    train_fedsm_round,
+    train_segmentation_round,
+)
+from engine.fl.methods import OPTIM_PART, FedAvg, FedSM, FedSMExtra
+from engine.fl.weights import model_weights
+from engine.fl.wire_precision import encode_down, encode_up
+from engine.inference.predictor import SuperModelPredictor
+from engine.models import build_segmentation_net, build_selector
+from engine.models.selector import head_parameter_count
 from engine.tasks import FUNDUS
 
 log = logging.getLogger(__name__)
@@ -55,8 +75,6 @@ def perf_settings(preset: Any, device: str) -> dict[str, Any]:
     The device is recorded resolved (``"auto"`` becomes ``"cpu"`` or ``"cuda"``), and the code
     version (:func:`engine.bench.cache.code_version`) is included as for the training jobs.
     """
-    from engine.bench.cache import code_version
-
     settings = {"version": PERF_VERSION, "image_size": preset.perf_image_size, "batch_size": preset.batch_size,
                 "selector_size": preset.selector_size, "sites": PERF_SITES, "batches": preset.perf_batches,
                 "repeats": preset.perf_repeats, "device": resolved_device(device), "code": code_version()}
@@ -72,8 +90,6 @@ def _random_split(n: int, channels: int, labels: int, size: int, seed: int = 0) 
 
 
 def _sync(device: Any) -> None:
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -95,12 +111,6 @@ def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str
     ``fused_adam`` switches Adam to its fused kernel as the engine uses it; the default is what a
     minimal loop writes (``torch.optim.Adam`` with its defaults).
     """
-    import torch
-    import torch.nn.functional as F
-    from monai.losses import DiceLoss
-
-    from engine.models import build_segmentation_net, build_selector
-
     nets = [build_segmentation_net(task.in_channels, task.out_channels) for _ in range(2)]
     for net in nets:
         net.load_state_dict(unet)
@@ -138,10 +148,6 @@ def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str
 def measure_throughput(size: int, batch_size: int, selector_size: int, device_name: str = "cpu",
                        batches: int = PERF_BATCHES, repeats: int = PERF_REPEATS) -> dict[str, Any]:
     """Images/s of the engine's FedSM site round and of the hand-written loop; their ratio."""
-    from engine.fl.local_training import Device, LocalTrainingConfig, RoundContext, train_fedsm_round
-    from engine.fl.weights import model_weights
-    from engine.models import build_segmentation_net, build_selector
-
     dev = Device.resolve(device_name)
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device=device_name)
     data = _random_split(batch_size * batches, 3, 2, size)
@@ -185,11 +191,6 @@ def measure_throughput(size: int, batch_size: int, selector_size: int, device_na
 # 2. routed inference
 # --------------------------------------------------------------------------------------------
 def _random_bundle(size: int, selector_size: int) -> Any:
-    import torch
-
-    from engine.fl.weights import model_weights
-    from engine.models import build_segmentation_net, build_selector
-
     torch.manual_seed(0)
     names = [f"site{k + 1}" for k in range(PERF_SITES)]
     meta = BundleMetadata(task="fundus", label_names=["disc", "cup"], in_channels=3, image_size=size,
@@ -206,10 +207,6 @@ def measure_routed_inference(size: int, selector_size: int, device_name: str = "
 
     The result names the device both ran on resolved (``"cpu"``, ``"cuda"``), never ``"auto"``.
     """
-    from engine.device import resolve_device
-    from engine.fl.evaluation import segment_with, selector_probabilities
-    from engine.inference.predictor import SuperModelPredictor
-
     dev, amp = resolve_device(device_name)
     device_name = str(dev)
     bundle = _random_bundle(size, selector_size)
@@ -249,12 +246,6 @@ def measure_routed_inference(size: int, selector_size: int, device_name: str = "
 def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
     """Bytes per site per round from the methods' real payloads as they travel (fundus U-Net, pooled
     selector head, the default selector width and wire precision: :mod:`engine.fl.wire_precision`)."""
-    from engine.federation.inprocess import weightset_bytes
-    from engine.fl.local_training import LocalTrainingConfig
-    from engine.fl.methods import OPTIM_PART, FedAvg, FedSM, FedSMExtra
-    from engine.fl.wire_precision import encode_down, encode_up
-    from engine.models.selector import head_parameter_count
-
     names = [f"site{k + 1}" for k in range(sites)]
     cfg = LocalTrainingConfig(device="cpu")
     fedavg = FedAvg(FUNDUS, names, cfg, 0, 1)
@@ -301,8 +292,6 @@ def measure_traffic(sites: int = PERF_SITES) -> dict[str, Any]:
 # 4. peak memory (each measurement in its own process)
 # --------------------------------------------------------------------------------------------
 def _memory_child(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
-    import torch
-
     torch.set_num_threads(1)
     was_tracing = tracemalloc.is_tracing()
     tracemalloc.start()
@@ -316,23 +305,13 @@ def _memory_child(kind: str, size: int, batch_size: int, selector_size: int, ima
 
 
 def _measure_round_memory(kind: str, size: int, batch_size: int, selector_size: int, images: int) -> dict[str, Any]:
-    import torch
-
-    from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
-    from engine.fl.weights import model_weights
-    from engine.models import build_segmentation_net, build_selector
-
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cpu")
     data = _random_split(images, 3, 2, size)
     unet = model_weights(build_segmentation_net(3, 2))
     selector = model_weights(build_selector(3, PERF_SITES))
     ctx = RoundContext("perf", 1, "site1")
-    # Import up front what a round imports lazily (MONAI's losses, the optimizers' compile
+    # Load up front what a round loads on first use (MONAI's losses, the optimizers' compile
     # machinery, device probing), so the round's figure is the round's memory, not imports'.
-    from monai.losses import DiceLoss
-
-    from engine.fl.local_training import Device
-
     DiceLoss(sigmoid=True)
     Device.resolve("cpu")
     torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
@@ -401,14 +380,8 @@ def measure_memory(size: int, batch_size: int, selector_size: int, images: int =
 # --------------------------------------------------------------------------------------------
 def measure_cuda(size: int, batch_size: int, selector_size: int) -> dict[str, Any]:
     """Throughput ratio and peak GPU memory with mixed precision, or why it was not measured."""
-    import torch
-
     if not torch.cuda.is_available():
         return {"measured": False, "reason": "not measured: no GPU"}
-    from engine.fl.local_training import LocalTrainingConfig, RoundContext, train_fedsm_round, train_segmentation_round
-    from engine.fl.weights import model_weights
-    from engine.models import build_segmentation_net, build_selector
-
     out: dict[str, Any] = {"measured": True, "gpu": torch.cuda.get_device_name(0)}
     out["throughput"] = measure_throughput(size, batch_size, selector_size, "cuda")
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cuda")
@@ -461,8 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_memory_child(args.memory_child, args.size, args.batch_size, args.selector_size,
                                        args.images)))
         return 0
-    import torch
-
     torch.set_num_threads(1)
 
     class _Preset:

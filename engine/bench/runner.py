@@ -19,6 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.bench.bench_simulation import JobContext
 from engine.bench.cache import JobKey, ResultCache
 from engine.bench.jobs import job_settings, load_task_sites, run_job
@@ -28,6 +30,7 @@ from engine.bench.presets import get_preset, restrict_preset
 from engine.bench.report import write_report
 from engine.bench.tuning import TUNE, chosen_lrs
 from engine.errors import CancelledError
+from engine.fl.local_training import Device
 from engine.io.atomic import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -39,10 +42,6 @@ def _load_average() -> list[float] | None:
 
 def machine_info(device: str, threads: int) -> dict[str, Any]:
     """Where the benchmark ran (recorded in the report and in every job's cache entry)."""
-    import torch
-
-    from engine.fl.local_training import Device
-
     dev = Device.resolve(device)
     load = _load_average()
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -82,8 +81,6 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     dict
         Summary: jobs run, skipped and failed, wall time, report paths.
     """
-    import torch
-
     preset = restrict_preset(get_preset(preset_name), tasks, seeds, main_only, methods, no_analyses, rules_only)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from engine.bench.cache import JobKey
+from engine.fl.blackfed_nets import DEFAULT_SPLIT_CHANNELS, build_client_net, build_server_net
+from engine.models import build_segmentation_net
 
 TITLES = {"local": "Individual", "blackfed-v1": "BlackFed v1", "blackfed-v2": "BlackFed v2",
           "split-whitebox": "White-box split", "fedavg": "FedAvg", "centralized": "Combined"}
@@ -22,12 +26,6 @@ TITLES = {"local": "Individual", "blackfed-v1": "BlackFed v1", "blackfed-v2": "B
 
 def split_compute(task: Any, image_size: int, channels: int | None = None) -> dict[str, float]:
     """FLOPs per image of the client net, the server net and the full U-Net at ``image_size``."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from engine.fl.blackfed_nets import DEFAULT_SPLIT_CHANNELS, build_client_net, build_server_net
-    from engine.models import build_segmentation_net
-
     c = channels or DEFAULT_SPLIT_CHANNELS
 
     def flops(net: torch.nn.Module, in_channels: int) -> float:

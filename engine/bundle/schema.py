@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jsonschema
+
 from engine.errors import BundleError
 
 _STRING = {"type": "string"}
@@ -61,8 +63,6 @@ def check_metadata(raw: Any) -> None:
     BundleError
         Naming the first offending field, what it holds and what it should be.
     """
-    import jsonschema
-
     validator = jsonschema.Draft202012Validator(METADATA_SCHEMA)
     error = jsonschema.exceptions.best_match(validator.iter_errors(raw))
     if error is None:

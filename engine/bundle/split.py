@@ -24,6 +24,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import SafetensorError, safe_open
+
 import engine
 from engine.bundle.supermodel import PathLike, _read_header, check_site_name, file_sha256
 from engine.errors import BundleError, ConfigError, DataError
@@ -173,8 +175,6 @@ def read_split_metadata(path: PathLike) -> SplitMetadata:
 
 def load_split_bundle(path: PathLike) -> SplitBundle:
     """Load a bundle written by :func:`save_split_bundle`; never unpickles."""
-    from safetensors import SafetensorError, safe_open
-
     p = Path(path)
     meta = read_split_metadata(p)
     clients: dict[str, dict[str, torch.Tensor]] = {s: {} for s in meta.site_names}

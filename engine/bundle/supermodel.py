@@ -29,6 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from safetensors import SafetensorError, safe_open
+
 import engine
 from engine import catalogue
 from engine.bundle.schema import check_metadata
@@ -323,12 +325,10 @@ class BundleMetadata:
                 if dice is not None and (not _is_number(dice) or not 0.0 <= dice <= 1.0):
                     raise ConfigError(f"site_validation[{site!r}][{which!r}] must be a number in [0, 1] or null, "
                                       f"got {dice!r}")
+        from engine.models.style_gate_format import SITE_ROUTINGS, check_gate_metadata
+
         if self.style_gate:
-            from engine.models.style_gate_format import check_gate_metadata
-
             check_gate_metadata(self.style_gate, self.site_names, self.in_channels)
-        from engine.models.style_gate_format import SITE_ROUTINGS
-
         if self.site_routing not in SITE_ROUTINGS:
             raise ConfigError(f"site_routing must be one of {SITE_ROUTINGS}, got {self.site_routing!r}")
         if self.site_routing == "style" and (self.routing != "gamma" or not self.style_gate):
@@ -582,8 +582,6 @@ def load_bundle(path: PathLike) -> SuperModelBundle:
         corrupt, not written by FedSM, from a newer format version, or lacks tensors for a part
         of the super model.
     """
-    from safetensors import SafetensorError, safe_open
-
     p = Path(path)
     metadata = read_metadata(p)
     global_weights: dict[str, torch.Tensor] = {}

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jsonschema import Draft202012Validator
+
 from engine.errors import DataError
 
 #: Tasks a datalist may name (``engine.tasks``); kept literal so the schema can be published as is.
@@ -109,8 +111,6 @@ def check_datalist_document(path: str | Path, doc: Any) -> None:
         For the first violation (in document order), naming the file and the place in it, e.g.
         ``site/dl.json: training[2].label must be a non-empty path string, got 3``.
     """
-    from jsonschema import Draft202012Validator
-
     validator = Draft202012Validator(DATALIST_SCHEMA)
     errors = sorted(validator.iter_errors(doc), key=lambda e: (len(e.absolute_path), list(map(str, e.path))))
     if not errors:

@@ -10,8 +10,11 @@ import os
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from engine.io.label_conventions import convention_for
+from engine.io.masks import read_mask
 from engine.tasks import TaskSpec
 
 if TYPE_CHECKING:
@@ -67,9 +70,6 @@ def label_channels(task: TaskSpec, label_map: np.ndarray) -> np.ndarray:
 
 def resize_images(batch: np.ndarray, size: int) -> np.ndarray:
     """Bilinear resize of ``(N, C, H, W)`` float images to ``(N, C, size, size)``."""
-    import torch
-    import torch.nn.functional as F
-
     if batch.shape[-2:] == (size, size):
         return batch
     with torch.no_grad():
@@ -80,9 +80,6 @@ def resize_images(batch: np.ndarray, size: int) -> np.ndarray:
 
 def resize_masks(batch: np.ndarray, size: int) -> np.ndarray:
     """Nearest-neighbour resize of ``(N, C, H, W)`` binary masks to ``(N, C, size, size)``."""
-    import torch
-    import torch.nn.functional as F
-
     if batch.shape[-2:] == (size, size):
         return batch
     with torch.no_grad():
@@ -106,8 +103,6 @@ def read_task_channels(task: TaskSpec, label: str | os.PathLike[str], study: Stu
         When the mask is missing, unreadable, off the study's grid (partial masks included) or
         holds values the convention does not use.
     """
-    from engine.io.masks import read_mask
-
     conv = convention if convention is not None else convention_for(task.name)
     labels = read_mask(label, study, conv, allow_partial=False).labels.array
     return label_channels(task, labels)

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.data.datalist import SECTIONS, load_datalist_with_info
 from engine.errors import ConfigError, DataError
+from engine.io import masks
 from engine.io.label_conventions import DATALIST_KEY, DRISHTI_THRESHOLD, LabelConvention, convention_for, get_convention
 from engine.io.masks import read_label_image
 from engine.io.readers import open_study
@@ -43,8 +44,6 @@ _KIND = {"fundus": "photo", "prostate": "volume"}
 def _check_entry(entry: dict[str, Any], task: str | None, convention: LabelConvention | None
                  ) -> tuple[dict[str, Any], str | None]:
     """Problems, warnings and facts of one datalist entry; also the study kind (to infer the task)."""
-    from engine.io.masks import read_mask
-
     image, label = Path(entry["image"]), Path(entry["label"])
     row: dict[str, Any] = {"file": str(image), "image": str(image), "label": str(label), "ok": True,
                            "problems": [], "warnings": []}
@@ -67,7 +66,7 @@ def _check_entry(entry: dict[str, Any], task: str | None, convention: LabelConve
                                f"choose the {task} datalist or task")
         return row, study.kind
     try:
-        reading = read_mask(label, study, convention, allow_partial=False)
+        reading = masks.read_mask(label, study, convention, allow_partial=False)
     except DataError as exc:
         row["problems"].append(f"mask: {exc}")
         return row, study.kind

@@ -31,14 +31,15 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
 
 from engine.bundle import check_site_name
 from engine.errors import ConfigError
 from engine.io.atomic import atomic_path
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ def _unflatten(flat: dict[str, torch.Tensor], path: Path) -> WeightSet:
 
 def content_hash(flat: dict[str, torch.Tensor]) -> str:
     """SHA-256 (hex) of named tensors: every name, dtype, shape and byte, in name order."""
-    import torch
-
     digest = hashlib.sha256()
     for name in sorted(flat):
         tensor = flat[name].detach().to("cpu").contiguous()
@@ -95,27 +94,22 @@ def save_weightset(path: Path, parts: WeightSet, metadata: dict[str, Any]) -> Pa
     The metadata also gets the tensors' :func:`content_hash`, which :func:`load_weightset`
     checks.
     """
-    from safetensors.torch import save_file
-
     flat = _flatten(parts)
     meta = {**metadata, _HASH_KEY: content_hash(flat)}
     with atomic_path(path) as tmp:
-        save_file(flat, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
+        safetensors.torch.save_file(flat, str(tmp), metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
     return Path(path)
 
 
 def load_weightset(path: Path, expected_format: str) -> tuple[WeightSet, dict[str, Any]]:
     """Read a file written by :func:`save_weightset`; check its ``format``."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist")
     try:
-        with safe_open(str(path), framework="pt") as fh:
+        with safetensors.torch.safe_open(str(path), framework="pt") as fh:
             raw_meta = (fh.metadata() or {}).get(_META_KEY)
-        flat = load_file(str(path))
+        flat = safetensors.torch.load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise ConfigError(f"{path} is not a readable checkpoint ({exc}); delete it to start over") from None
     try:
@@ -244,8 +238,6 @@ def save_site_state(folder: Path, session: str, rnd: int, state: dict[str, Any],
     checkpoint repeats rounds, and a repeated round must start from the state before it. Only
     entries that are weight dicts are kept; returns ``None`` if there is nothing to keep.
     """
-    import torch
-
     check_site_name(session)
     parts = {k: v for k, v in state.items()
              if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values())}

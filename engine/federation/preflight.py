@@ -23,7 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+
+from engine.data.datalist import load_datalist_with_info
 from engine.errors import ConfigError, DataError
+from engine.federation.config import parse_address
+from engine.security.certs import load_site_private_key
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
@@ -73,10 +78,6 @@ def check_site_certificates(ca_cert: Path | None, private_key: Path | None, wher
     The CA certificate must be a PEM X.509 certificate of a certificate authority, valid now; the
     private key a PEM key FedSM can use (see :func:`engine.security.certs.load_site_private_key`).
     """
-    from cryptography import x509
-
-    from engine.security.certs import load_site_private_key
-
     if ca_cert is not None:
         try:
             cert = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
@@ -114,8 +115,6 @@ def check_site_datalist(datalist: Path, task: str, where: str) -> dict[str, int]
         When it breaks the specification, is for another task, has no training entries, or names
         files that do not exist (the first few are listed).
     """
-    from engine.data.datalist import load_datalist_with_info
-
     try:
         sections, info = load_datalist_with_info(datalist)
     except DataError as exc:
@@ -171,8 +170,6 @@ class CoordinatorWatch:
     """
 
     def __init__(self, address: str, where: str, grace: float = 30.0, interval: float = 2.0) -> None:
-        from engine.federation.config import parse_address
-
         self.host, self.port = parse_address(address, where)
         self.grace = float(grace)
         self.interval = float(interval)

@@ -9,7 +9,7 @@ import torch
 
 from engine.data.preprocess import resize_images
 from engine.fl.local_training import Device
-from engine.models import build_segmentation_net
+from engine.models import build_segmentation_net, build_selector
 from engine.tasks import TaskSpec
 
 
@@ -65,8 +65,6 @@ def selector_probabilities(task: TaskSpec, weights: Mapping[str, torch.Tensor], 
                            images: np.ndarray, selector_size: int, head: str = "gap",
                            device: str = "auto", batch_size: int = 64) -> np.ndarray:
     """Softmax output ``float32 (N, num_classes)`` of a selector on already normalised images."""
-    from engine.models import build_selector
-
     dev = Device.resolve(device)
     net = build_selector(task.in_channels, num_classes, head)  # type: ignore[arg-type]
     net.load_state_dict(weights)

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import models
 from engine.errors import ConfigError, WeightsError
 from engine.fl.local_training import Device, _to_device, batch_order, freeze_batchnorm_statistics, selector_inputs
 from engine.fl.weights import Weights, all_finite, clone_weights
@@ -157,12 +158,10 @@ def reference_selector_round(
         as their label, before the step). The step follows the mean of the pass's batch
         gradients (module docstring: why not their sum).
     """
-    from engine.models import build_selector
-
     device = Device.resolve(cfg.device)
     torch.manual_seed(seed)
-    net = build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
-                         cfg.selector_width)
+    net = models.build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
+                                cfg.selector_width)
     net.load_state_dict(selector_weights)
     net.to(device.torch_device).train()
     if cfg.selector_bn == "running" or len(images) < 2:  # one image has no batch statistics
@@ -205,11 +204,9 @@ def reference_selector_round(
 def selector_logits(task: TaskSpec, selector_weights: Mapping[str, torch.Tensor], num_classes: int,
                     images: np.ndarray, cfg: LocalTrainingConfig, batch_size: int = 64) -> torch.Tensor:
     """Selector logits ``float64 (N, C)`` of ``images`` (eval mode, running BatchNorm statistics)."""
-    from engine.models import build_selector
-
     device = Device.resolve(cfg.device)
-    net = build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
-                         cfg.selector_width)
+    net = models.build_selector(task.in_channels, num_classes, cfg.selector_head,  # type: ignore[arg-type]
+                                cfg.selector_width)
     net.load_state_dict(selector_weights)
     net.to(device.torch_device).eval()
     small = torch.from_numpy(selector_inputs(images, cfg.selector_size))

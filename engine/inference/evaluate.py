@@ -30,10 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from monai.metrics import compute_dice, compute_hausdorff_distance
 
 from engine.data.datalist import load_datalist_with_info
 from engine.data.preprocess import label_channels, read_task_channels
 from engine.errors import ConfigError, DataError
+from engine.inference.study import load_predictor, segment_with
 from engine.io.atomic import write_text_atomic
 from engine.io.label_conventions import DATALIST_KEY, convention_for
 from engine.io.privacy import neutral_name
@@ -80,9 +83,6 @@ def structure_metrics(pred: np.ndarray, truth: np.ndarray, spacing: Sequence[flo
     tuple
         ``([dice per channel], [hd95 per channel or None when either mask is empty])``.
     """
-    import torch
-    from monai.metrics import compute_dice, compute_hausdorff_distance
-
     p = torch.from_numpy(np.ascontiguousarray(pred > 0, dtype=np.float32))[None]
     t = torch.from_numpy(np.ascontiguousarray(truth > 0, dtype=np.float32))[None]
     dice = compute_dice(p, t, include_background=True, ignore_empty=False)[0].tolist()
@@ -143,8 +143,6 @@ def evaluate_bundle(model: PathLike, datalists: Sequence[PathLike], split: str =
     ConfigError, BundleError
         Bad choice or gamma; an unreadable bundle.
     """
-    from engine.inference.study import load_predictor, segment_with
-
     if split not in SPLITS:
         raise ConfigError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if not datalists:

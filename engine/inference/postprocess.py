@@ -12,6 +12,7 @@ is then measured on the cleaned masks (:mod:`engine.inference.cup_disc`).
 from __future__ import annotations
 
 import numpy as np
+from scipy import ndimage
 
 
 def largest_component(mask: np.ndarray) -> np.ndarray:
@@ -19,8 +20,6 @@ def largest_component(mask: np.ndarray) -> np.ndarray:
 
     Ties go to the component found first in array order; an empty mask stays empty.
     """
-    from scipy import ndimage
-
     binary = np.asarray(mask) > 0
     labels, count = ndimage.label(binary)
     if count <= 1:
@@ -32,8 +31,6 @@ def largest_component(mask: np.ndarray) -> np.ndarray:
 
 def fill_holes(mask: np.ndarray) -> np.ndarray:
     """``mask`` with every background region that does not touch the border filled, ``bool``."""
-    from scipy import ndimage
-
     return np.asarray(ndimage.binary_fill_holes(np.asarray(mask) > 0), dtype=bool)
 
 

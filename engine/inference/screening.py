@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 
 from engine.data.datalist import load_datalist_with_info, outside_paths_allowed
@@ -106,8 +107,6 @@ def _volume_reason(path: Path) -> str | None:
     name = path.name.lower()
     if not name.endswith((".nii", ".nii.gz")):
         return None
-    import nibabel as nib
-
     img = nib.load(str(path))
     if not np.issubdtype(img.get_data_dtype(), np.integer):
         return None

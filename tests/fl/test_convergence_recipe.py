@@ -44,6 +44,7 @@ def test_schedule_rejects_bad_input():
 
 def test_method_trains_each_round_with_the_scheduled_rate(monkeypatch):
     from engine.fl import methods as m
+    from engine.fl.methods import averaging
     from engine.tasks import FUNDUS
 
     seen: list[float] = []
@@ -52,7 +53,7 @@ def test_method_trains_each_round_with_the_scheduled_rate(monkeypatch):
         seen.append(cfg.lr)
         return dict(weights), {"loss": 0.0}
 
-    monkeypatch.setattr(m, "train_segmentation_round", fake_round)
+    monkeypatch.setattr(averaging, "train_segmentation_round", fake_round)  # where FedAvg looks it up
     cfg = LocalTrainingConfig(lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.1, device="cpu")
     method = m.FedAvg(FUNDUS, ["a"], cfg, rounds=3)
     site = m.SiteRuntime("a", 0, random_split(2))

@@ -29,6 +29,7 @@ def site_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_demo_site_reports_one_sites_real_traffic(site_workdir):
     from engine.fl.selector_training import initial_optimizer_state
     from engine.fl.weights import payload_bytes
+    from engine.fl.wire_precision import encode_down
     from engine.models import build_segmentation_net, build_selector
 
     events: list[dict] = []
@@ -43,9 +44,12 @@ def test_demo_site_reports_one_sites_real_traffic(site_workdir):
     received = [e for e in events if e["event"] == "received"]
     sent = [e for e in events if e["event"] == "sent"]
     assert [e["round"] for e in received] == [1, 2] and [e["round"] for e in sent] == [1, 2]
-    unet = payload_bytes(build_segmentation_net(3, 2).state_dict())
-    selector = payload_bytes(build_selector(3, 3, "gap").state_dict())
-    moments = payload_bytes(initial_optimizer_state(build_selector(3, 3, "gap")))
+    def on_wire(weights):  # float32 tensors travel in 16 bits (engine.fl.wire_precision), integers as they are
+        return payload_bytes(encode_down({"p": weights}, {"p"})["p"])
+
+    unet = on_wire(build_segmentation_net(3, 2).state_dict())
+    selector = on_wire(build_selector(3, 3, "gap").state_dict())
+    moments = on_wire(initial_optimizer_state(build_selector(3, 3, "gap")))
     assert received[0]["bytes"] == sent[0]["bytes"] == 2 * unet + selector + moments
     assert set(received[0]["contents"]) == {"global", "personal", "selector", "selector_optim"}
     assert set(received[1]["contents"]) == {"global", "personal", "selector"}

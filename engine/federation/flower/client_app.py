@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 
 from engine.data.datalist import outside_paths_allowed
 from engine.data.site_data import load_site
@@ -31,17 +33,20 @@ from engine.errors import CancelledError, ConfigError, DataError, WeightsError
 from engine.federation.checkpoint import load_site_state_before, save_site_state
 from engine.federation.events import EventWriter, PendingReport
 from engine.federation.flower import records
+from engine.federation.flower.dialogue import answer_exchange, receive_final
 from engine.federation.spec import MethodSpec, build_method
+from engine.fl.evaluation import dice_per_case, segment_with
+from engine.fl.methods import SiteInstructions, SiteRuntime, SiteUpdate
+from engine.fl.wire_precision import decode_down, encode_up
 from engine.security.approval import AppNotApproved
 from engine.tasks import get_task
 
 if TYPE_CHECKING:
-    from flwr.app import Context, Message, RecordDict
-    from flwr.clientapp import ClientApp
+    from flwr.app import Context
 
     from engine.data.site_data import SiteData
     from engine.federation.config import SiteConfig
-    from engine.fl.methods import FederatedMethod, SiteUpdate
+    from engine.fl.methods import FederatedMethod
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +134,6 @@ class SiteWorker:
     # --- train -------------------------------------------------------------------------
     def train(self, content: Any) -> Any:
         """Handle a ``train`` message's content; return the reply content."""
-        from engine.fl.methods import SiteInstructions, SiteRuntime, SiteUpdate
-        from engine.fl.wire_precision import decode_down, encode_up
-
         received_at = time.monotonic()
         ins = self.addressed_instructions(content)
         method, spec = self.method(ins.spec_json)
@@ -175,8 +177,6 @@ class SiteWorker:
     def _validation_dice(self, method: FederatedMethod, received: dict[str, Any], update: SiteUpdate,
                          runtime: Any, data: SiteData) -> dict[str, float]:
         """Validation Dice of the received global model, the personalized model and the locally trained one."""
-        from engine.fl.evaluation import dice_per_case, segment_with
-
         split = data.validation
         if not len(split.images):
             return {}
@@ -200,15 +200,11 @@ class SiteWorker:
 
     # --- query -------------------------------------------------------------------------
     def query(self, content: Any) -> Any:
-        from flwr.app import ConfigRecord, RecordDict
-
         info = content.config_records.get(records.INFO, {})
         action = info.get("action")
         if action == "evaluate":
             return evaluate_at_site(self, content)
         if action == "final_model":  # a dialogue method's end: assemble this site's bundle (dialogue.py)
-            from engine.federation.flower.dialogue import receive_final
-
             return receive_final(self, content)
         if action == "finished":
             self.finished = True
@@ -219,8 +215,6 @@ class SiteWorker:
 
 
 def _with_timing(update: SiteUpdate, train_s: float) -> SiteUpdate:
-    from engine.fl.methods import SiteUpdate
-
     return SiteUpdate(update.weights, update.num_samples, {**update.metrics, "train_s": float(train_s)})
 
 
@@ -236,9 +230,6 @@ def shareable_reason(exc: BaseException, site: str) -> str:
 
 def build_client_app(worker: SiteWorker) -> ClientApp:
     """A Flower ``ClientApp`` whose handlers call ``worker``."""
-    from flwr.app import Message
-    from flwr.clientapp import ClientApp
-
     app = ClientApp()
 
     @app.train()
@@ -247,8 +238,6 @@ def build_client_app(worker: SiteWorker) -> ClientApp:
 
     @app.train("exchange")
     def exchange(msg: Message, context: Context) -> Message:
-        from engine.federation.flower.dialogue import answer_exchange
-
         return Message(answer_exchange(worker, msg.content), reply_to=msg)
 
     @app.query()
@@ -260,10 +249,6 @@ def build_client_app(worker: SiteWorker) -> ClientApp:
 
 def evaluate_at_site(worker: SiteWorker, content: RecordDict) -> RecordDict:
     """The site half: Dice of the received final models on the site's validation and testing sections."""
-    from flwr.app import ConfigRecord, MetricRecord, RecordDict
-
-    from engine.fl.evaluation import dice_per_case, segment_with
-
     ins = worker.addressed_instructions(content, "evaluation")
     method, spec = worker.method(ins.spec_json)
     values: dict[str, float] = {}

@@ -10,6 +10,18 @@ import hashlib
 import logging
 
 import httpx
+from flwr.common.serde import fab_to_proto, user_config_to_proto
+from flwr.proto.control_pb2 import (
+    ListNodesRequest,
+    ListRunsRequest,
+    RegisterNodeRequest,
+    StartRunRequest,
+    StopRunRequest,
+    UnregisterNodeRequest,
+)
+from flwr.supercore.control import ControlHttpClient
+from flwr.supercore.fab import Fab
+from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
 from engine.errors import FedSMError
 from engine.federation.flower.local_auth import interceptors
@@ -32,9 +44,6 @@ class ControlClient:
     """
 
     def __init__(self, address: str, local_secret: str | None = None) -> None:
-        from flwr.supercore.control import ControlHttpClient
-        from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
-
         self._client = ControlHttpClient.from_server_address(
             address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
                                                *interceptors(local_secret)])
@@ -44,8 +53,6 @@ class ControlClient:
 
     def list_nodes(self) -> list[tuple[int, bytes, str, str]]:
         """``(node_id, public key PEM, name, status)`` of every registered node."""
-        from flwr.proto.control_pb2 import ListNodesRequest
-
         res = self._client.ListNodes(ListNodesRequest())
         return [(n.node_id, n.public_key.encode() if isinstance(n.public_key, str) else bytes(n.public_key),
                  n.name, n.status) for n in res.nodes_info]
@@ -56,8 +63,6 @@ class ControlClient:
         Keys registered earlier keep their node id. Registered keys of sites no longer
         enrolled are unregistered, so a withdrawn enrolment takes effect at the next start.
         """
-        from flwr.proto.control_pb2 import RegisterNodeRequest, UnregisterNodeRequest
-
         existing = {_normal(pem): node_id for node_id, pem, _name, _status in self.list_nodes()}
         wanted = {_normal(pem): site for site, pem in keys.items()}
         for pem, node_id in existing.items():
@@ -75,8 +80,6 @@ class ControlClient:
 
     def stop_unfinished_runs(self) -> list[int]:
         """Stop runs left by an earlier coordinator process (so sites drop their messages)."""
-        from flwr.proto.control_pb2 import ListRunsRequest, StopRunRequest
-
         stopped = []
         for run_id, run in self._client.ListRuns(ListRunsRequest()).run_dict.items():
             if run.status.status not in _FINISHED:
@@ -89,10 +92,6 @@ class ControlClient:
 
     def start_run(self, fab: bytes, run_config: dict[str, str] | None = None) -> int:
         """Start a run of the app bundle ``fab`` (with ``run_config``, e.g. the signed run spec); return its run id."""
-        from flwr.common.serde import fab_to_proto, user_config_to_proto
-        from flwr.proto.control_pb2 import StartRunRequest
-        from flwr.supercore.fab import Fab
-
         res = self._client.StartRun(StartRunRequest(fab=fab_to_proto(Fab(hashlib.sha256(fab).hexdigest(), fab, {})),
                                                     override_config=user_config_to_proto(dict(run_config or {}))))
         if not res.HasField("run_id"):

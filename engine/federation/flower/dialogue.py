@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from engine.bundle import check_site_name, save_bundle
 from engine.bundle.split import SplitBundle, save_split_bundle
@@ -64,7 +65,6 @@ from engine.fl.methods import SiteInstructions, SiteRuntime
 from engine.fl.weights import all_finite
 
 if TYPE_CHECKING:
-    from flwr.app import Message, RecordDict
     from flwr.serverapp import Grid
 
     from engine.fl.methods import WeightSet
@@ -83,8 +83,6 @@ REPLY_PART = "reply"
 def encode_request(request: Request, *, rnd: int, rounds: int, method: str, spec_json: str, session: str,
                    site: str, exchange_id: int, run_id: str = "") -> RecordDict:
     """The content of one ``train.exchange`` message (``run_id``: the one the coordinator signed)."""
-    from flwr.app import ConfigRecord, RecordDict
-
     info = ConfigRecord({"round": int(rnd), "rounds": int(rounds), "method": method, "spec": spec_json,
                          "session": session, "run_id": run_id, "site": site, "action": request.action,
                          "config": json.dumps(request.config, sort_keys=True), "exchange": int(exchange_id)})
@@ -129,8 +127,6 @@ def decode_request(content: RecordDict) -> tuple[dict[str, Any], Request]:
 
 def encode_reply(reply: Reply, *, site: str, rnd: int, exchange_id: int) -> RecordDict:
     """The content of a site's answer to one exchange."""
-    from flwr.app import ConfigRecord, MetricRecord, RecordDict
-
     metrics: dict[str, int | float] = {k: float(v) for k, v in reply.metrics.items()}
     metrics[records.NUM_EXAMPLES] = int(reply.num_samples)
     parts = {REPLY_PART: reply.tensors} if reply.tensors else {}
@@ -198,8 +194,6 @@ class DialogueRunner(FederationRunner):
         A site that is offline, does not answer within ``round_timeout`` or answers with an error
         gets no bundle (an ``error`` event says why); the run's result does not depend on it.
         """
-        from flwr.app import Message
-
         final_models = getattr(self.method, "final_models", None)
         declared = getattr(self.method, "FINAL_CONTENTS", {})
         if final_models is None or not declared:
@@ -333,8 +327,6 @@ class DialogueRunner(FederationRunner):
         return before
 
     def _message(self, content: RecordDict, node: int, rnd: int) -> Message:
-        from flwr.app import Message
-
         return Message(content, dst_node_id=node, message_type=EXCHANGE, group_id=str(rnd),
                        ttl=self.settings.round_timeout)
 
@@ -463,8 +455,6 @@ def receive_final(worker: Any, content: RecordDict) -> RecordDict:
     ledger, a ``status`` event carries the path (``bundle``), and the acknowledgement (no tensor,
     no metric) is a ``sent`` event of 0 bytes.
     """
-    from flwr.app import ConfigRecord, MetricRecord, RecordDict
-
     ins = worker.addressed_instructions(content, "final message")
     method, spec = worker.method(ins.spec_json)
     declared = getattr(method, "FINAL_CONTENTS", {})

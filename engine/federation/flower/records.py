@@ -36,18 +36,15 @@ import io
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from numpy.lib import format as npy
 
 from engine.errors import WeightsError
-
-if TYPE_CHECKING:
-    import torch
-    from flwr.app import RecordDict
-
-    from engine.fl.methods import SiteInstructions, SiteUpdate
+from engine.fl.methods import SiteInstructions, SiteUpdate
 
 INFO = "fedsm"
 METRICS = "metrics"
@@ -65,8 +62,6 @@ _STORED_AS = {"bfloat16": "int16"}
 
 def _numpy_values(tensor: torch.Tensor) -> tuple[str, np.ndarray]:
     """``(wire dtype name, NumPy view of the tensor's values)``; bfloat16 as its raw 16 bits."""
-    import torch
-
     values = tensor.detach().cpu().contiguous()
     if values.dtype == torch.bfloat16:
         return "bfloat16", values.view(torch.int16).numpy()
@@ -80,8 +75,6 @@ def pack(weights: dict[str, torch.Tensor]) -> tuple[Any, str]:
     Flower moves every array as its own objects, one HTTP request each; packed, a U-Net is
     two arrays instead of ~60, which cut the transfer time of a FedSM round several-fold.
     """
-    from flwr.app import ArrayRecord
-
     groups: dict[str, list[np.ndarray]] = {}
     layout = []
     for key, tensor in weights.items():
@@ -94,8 +87,6 @@ def pack(weights: dict[str, torch.Tensor]) -> tuple[Any, str]:
 
 def _flat_array(parts: list[np.ndarray]) -> Any:
     """An ``Array`` holding ``parts`` one after the other, as ``.npy`` bytes (what ``np.save`` writes)."""
-    from flwr.app import Array
-
     dtype = parts[0].dtype
     total = sum(int(part.size) for part in parts)
     head = io.BytesIO()
@@ -133,8 +124,6 @@ def _flat_values(array: Any, dtype: str, what: str) -> np.ndarray:
 
 def unpack(record: Any, layout_json: object, what: str) -> dict[str, torch.Tensor]:
     """Inverse of :func:`pack`, checking every declared dtype, shape and size (:class:`WeightsError`)."""
-    import torch
-
     try:
         layout = json.loads(layout_json) if isinstance(layout_json, str) else None
     except ValueError:
@@ -187,8 +176,6 @@ class PackCache:
 
 def weights_records(parts: dict[str, dict[str, torch.Tensor]], cache: PackCache | None = None) -> dict[str, Any]:
     """``{"weights:<part>": ArrayRecord, ..., "layout": ConfigRecord}`` for a payload."""
-    from flwr.app import ConfigRecord
-
     out: dict[str, Any] = {}
     layouts: dict[str, str] = {}
     for part, weights in parts.items():
@@ -247,8 +234,6 @@ class Instruction:
 def encode_instructions(ins: SiteInstructions, *, rounds: int, method: str, spec_json: str, session: str,
                         site: str, cache: PackCache | None = None, run_id: str = "") -> RecordDict:
     """The content of a ``train`` message for ``site`` (``run_id``: the one the coordinator signed)."""
-    from flwr.app import ConfigRecord, RecordDict
-
     info = ConfigRecord({"round": int(ins.round), "rounds": int(rounds), "method": method, "spec": spec_json,
                          "session": session, "run_id": run_id, "site": site,
                          "config": json.dumps(ins.config, sort_keys=True)})
@@ -257,8 +242,6 @@ def encode_instructions(ins: SiteInstructions, *, rounds: int, method: str, spec
 
 def decode_instructions(content: RecordDict) -> Instruction:
     """Decode a ``train`` message at the site (raises :class:`WeightsError` when malformed)."""
-    from engine.fl.methods import SiteInstructions
-
     info = content.config_records.get(INFO)
     if info is None:
         raise WeightsError("instruction without its 'fedsm' settings record; is the coordinator a FedSM server?")
@@ -275,8 +258,6 @@ def decode_instructions(content: RecordDict) -> Instruction:
 
 def encode_update(update: SiteUpdate, *, site: str, rnd: int) -> RecordDict:
     """The content of a site's reply: weights, sample count and metrics, nothing else."""
-    from flwr.app import ConfigRecord, MetricRecord, RecordDict
-
     metrics: dict[str, int | float] = {k: float(v) for k, v in update.metrics.items()}
     metrics[NUM_EXAMPLES] = int(update.num_samples)
     return RecordDict({INFO: ConfigRecord({"site": site, "round": int(rnd)}), METRICS: MetricRecord(metrics),
@@ -285,8 +266,6 @@ def encode_update(update: SiteUpdate, *, site: str, rnd: int) -> RecordDict:
 
 def decode_update(content: RecordDict, site: str, rnd: int) -> SiteUpdate:
     """Decode a reply from ``site`` for round ``rnd`` strictly (:class:`WeightsError` otherwise)."""
-    from engine.fl.methods import SiteUpdate
-
     what = f"reply from {site} (round {rnd})"
     unknown = sorted(k for k in content if k not in (INFO, METRICS, LAYOUT) and not k.startswith(WEIGHTS_PREFIX))
     if unknown:

@@ -30,6 +30,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+from flwr.common.serde import context_from_proto, run_from_proto
+from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest, PushTaskOutputRequest
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supercore.task_identity import TaskIdentity
+
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.errors import ConfigError, FedSMError
@@ -37,17 +46,33 @@ from engine.federation.checkpoint import Checkpoint, load_latest_valid, round_fi
 from engine.federation.config import FederationConfig, is_loopback
 from engine.federation.events import EventWriter
 from engine.federation.flower.app_bundle import build_app_bundle
+from engine.federation.flower.control import ControlClient
+from engine.federation.flower.dialogue import DialogueRunner, dialogue_reply_limit
 from engine.federation.flower.final_evaluation import bundle_val_dice
 from engine.federation.flower.fleet_auth import write_keys
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
 from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.federation.flower.server_app import (
+    FederationRunner,
+    RegisteredSites,
+    RoundSettings,
+    SelfNamedSites,
+    build_server_app,
+)
+from engine.federation.flower.transfer import PromptHttpGrid
 from engine.federation.flower.upload_limits import RefusedReplies, reply_limit_for
 from engine.federation.preflight import check_port_free, round_banner
 from engine.federation.spec import MethodSpec, build_method
+from engine.fl.exchange import ExchangeMethod
 from engine.fl.registry import EXCHANGE_METHODS
+from engine.fl.robust import RobustSettings
+from engine.fl.routing_choice import CHOICE_PART, choice_summary
+from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
 from engine.inference.guard import site_validation_from_state
 from engine.io.atomic import write_text_atomic
+from engine.security.certs import check_server_certificate
+from engine.security.enrollment import enrolled_keys
 from engine.security.run_spec import RUN_CONFIG_KEY, make_envelope, new_run_id
 from engine.tasks import get_task
 
@@ -85,9 +110,6 @@ def _prepare_resume(cfg: FederationConfig, resume: bool, app_hash: str, events: 
 
 def _security_inputs(cfg: FederationConfig, insecure: bool) -> dict[str, bytes]:
     """Check certificates and enrolments; return the sites' public keys (empty when insecure)."""
-    from engine.security.certs import check_server_certificate
-    from engine.security.enrollment import enrolled_keys
-
     if insecure:
         if not is_loopback(cfg.host):
             raise ConfigError(f"--insecure is for loopback demonstrations only, but [federation] address is "
@@ -121,11 +143,6 @@ def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[st
 
 def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str | None = None) -> str:
     """The ServerApp task's token from the SuperLink's loopback listener (plain HTTP)."""
-    from flwr.proto.runtime_pb2 import AcquireTaskRequest
-    from flwr.supercore.constant import TaskType
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
-    from flwr.supercore.runtime import RuntimeHttpClient
-
     client = RuntimeHttpClient.from_server_address(
         server_address=address, insecure=True, root_certificates=None,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"), *interceptors(local_secret)])
@@ -154,9 +171,6 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
     spec = cfg.spec
     files: dict[str, str] = {}
     if spec.method in ("fedsm", "fedsm-extra"):
-        from engine.fl.routing_choice import CHOICE_PART, choice_summary
-        from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
-
         task = get_task(spec.task)
         gate = gate_metadata(state.get(GATE_PART, {}), list(spec.site_names)) if spec.method == "fedsm" else {}
         meta = BundleMetadata(
@@ -241,25 +255,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         Folder where every request sites send is written (tests, audits; see
         :func:`engine.federation.flower.fleet_listener.read_recorded`).
     """
-    import httpx
-    from flwr.common.serde import context_from_proto, run_from_proto
-    from flwr.proto.runtime_pb2 import PullTaskInputRequest, PushTaskOutputRequest
-    from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-    from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
-    from flwr.supercore.runtime import RuntimeHttpClient
-    from flwr.supercore.task_identity import TaskIdentity
-
-    from engine.federation.flower.control import ControlClient
-    from engine.federation.flower.server_app import (
-        FederationRunner,
-        RegisteredSites,
-        RoundSettings,
-        SelfNamedSites,
-        build_server_app,
-    )
-    from engine.federation.flower.transfer import PromptHttpGrid
-    from engine.fl.exchange import ExchangeMethod
-
     # one log line per HTTP request (hundreds per round) would drown the log
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
@@ -273,15 +268,11 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     port = cfg.superlink_port or free_port()
     address = f"127.0.0.1:{port}"
     secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
-    from engine.fl.robust import RobustSettings
-
     fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
     max_reply_mb = RobustSettings.from_dict(cfg.robust).max_reply_mb
     if max_reply_mb:
         max_reply = int(max_reply_mb * 2**20)
     elif isinstance(method, ExchangeMethod):
-        from engine.federation.flower.dialogue import dialogue_reply_limit
-
         max_reply = dialogue_reply_limit(method)
     else:
         max_reply = reply_limit_for(method, method.initial_state(), cfg.sites)
@@ -339,8 +330,6 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
                                  cfg.poll_interval, cfg.rejoin_wait)
         runner_class = FederationRunner
         if isinstance(method, ExchangeMethod):
-            from engine.federation.flower.dialogue import DialogueRunner
-
             runner_class = DialogueRunner
         runner = runner_class(method, cfg.spec, settings, directory, events, cfg.work_dir / CHECKPOINT, session,
                               app.hash, cancel=stop, address=cfg.address)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import ServerApp
+
 from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.federation.checkpoint import KEEP_CHECKPOINTS, Checkpoint
 from engine.federation.events import EventWriter
@@ -30,14 +33,16 @@ from engine.federation.flower import records
 from engine.federation.flower.final_evaluation import ACTION, decode_evaluation, site_weights
 from engine.federation.flower.grid_exchange import QUERY, TRAIN, exchange
 from engine.federation.flower.run_confirmation import DECLINED
+from engine.fl.methods import SiteInstructions, SiteUpdate
 from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
+from engine.fl.wire_precision import DownCache, decode_up, encode_down
 
 if TYPE_CHECKING:
-    from flwr.app import Context, Message, RecordDict
-    from flwr.serverapp import Grid, ServerApp
+    from flwr.app import Context
+    from flwr.serverapp import Grid
 
     from engine.federation.spec import MethodSpec
-    from engine.fl.methods import FederatedMethod, SiteUpdate, WeightSet
+    from engine.fl.methods import FederatedMethod, WeightSet
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +92,6 @@ class SelfNamedSites:
         self.timeout = timeout
 
     def online(self, grid: Grid) -> dict[str, int]:
-        from flwr.app import ConfigRecord, Message, RecordDict
-
         nodes = [n.node_id for n in grid.get_nodes() if n.status == "online"]
         unknown = [n for n in nodes if n not in self.names]
         if unknown:
@@ -239,11 +242,6 @@ class FederationRunner:
     # --- one round ---------------------------------------------------------------------
     def run_round(self, grid: Grid, state: WeightSet, rnd: int) -> RoundResult:
         """Send round ``rnd``'s instructions, collect and validate the answers (no aggregation)."""
-        from flwr.app import Message
-
-        from engine.fl.methods import SiteInstructions, SiteUpdate
-        from engine.fl.wire_precision import DownCache, decode_up, encode_down
-
         start = time.monotonic()
         total = self.method.total_rounds
         online = self.online_sites(grid)
@@ -388,8 +386,6 @@ class FederationRunner:
 
     def announce_finished(self, grid: Grid, timeout: float = 10.0) -> None:
         """Tell connected sites that the run is over (they emit ``finished``); answers are optional."""
-        from flwr.app import ConfigRecord, Message, RecordDict
-
         total = self.method.total_rounds
         online = self.online_sites(grid)
         messages = {site: Message(RecordDict({records.INFO: ConfigRecord(
@@ -439,8 +435,6 @@ class CheckpointWriter:
 
 def evaluate_request(runner: FederationRunner, state: WeightSet, site: str) -> RecordDict:
     """The content of the ``evaluate`` query for ``site``."""
-    from engine.fl.methods import SiteInstructions
-
     total = runner.method.total_rounds
     content = records.encode_instructions(SiteInstructions(total, site_weights(state, site), {"phase": ACTION}),
                                           rounds=total, method=runner.method.name, spec_json=runner.spec_json,
@@ -455,8 +449,6 @@ def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> di
     Sites that are offline, do not answer within ``round_timeout`` or answer badly are left out
     (an ``error`` event says why); the run's result does not depend on them.
     """
-    from flwr.app import Message
-
     if "global" not in state or runner.method.name == "local":
         return {}  # dialogue methods and local training: no shared final model to send
     online = runner.online_sites(grid)
@@ -487,8 +479,6 @@ def evaluate_final(runner: FederationRunner, grid: Grid, state: WeightSet) -> di
 
 def build_server_app(runner: FederationRunner, resume: Checkpoint | None, result: dict[str, Any]) -> ServerApp:
     """A Flower ``ServerApp`` whose main function runs ``runner`` and stores the final state in ``result``."""
-    from flwr.serverapp import ServerApp
-
     app = ServerApp()
 
     @app.main()
