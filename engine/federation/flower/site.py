@@ -24,6 +24,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode, SubStatus
+from flwr.proto.runtime_pb2 import AcquireTaskRequest
+from flwr.supercore.constant import TaskType
+from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
+from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
+from flwr.supercore.runtime import RuntimeHttpClient
+from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
+
 from engine.data.datalist import outside_paths_allowed
 from engine.errors import CancelledError, ConfigError, FedSMError
 from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
@@ -33,6 +43,8 @@ from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
 from engine.federation.flower.local_auth import interceptors, new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.federation.flower.run_confirmation import FOLDER, pending, record
+from engine.federation.flower.transfer import pull_task_header, pull_task_message, release_task_message
 from engine.federation.preflight import CoordinatorWatch, check_port_free, check_site_certificates, check_site_datalist
 from engine.io.masks import set_orientation_tolerance
 from engine.security.approval import AppNotApproved, app_hash, check_app_approved
@@ -85,8 +97,6 @@ def run_policy(cfg: SiteConfig, insecure: bool, confirm: bool = False) -> dict[s
 
 def confirmation_folder(cfg: SiteConfig) -> Path:
     """Where the site's SuperNode and its process exchange the operator's answer to each new run."""
-    from engine.federation.flower.run_confirmation import FOLDER
-
     return cfg.work_dir / FOLDER
 
 
@@ -241,9 +251,6 @@ class TaskExecutor:
         self.events = events
 
     def _client(self, token: str | None = None) -> Any:
-        from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
-        from flwr.supercore.runtime import RuntimeHttpClient
-
         chain: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
                             *interceptors(self.local_secret)]
         if token is not None:
@@ -275,8 +282,6 @@ class TaskExecutor:
         answer is recorded for the run, so the task's own check later reads the same answer without
         asking again.
         """
-        from engine.federation.flower.run_confirmation import pending, record
-
         if self.confirm is None:
             return
         folder = confirmation_folder(self.cfg)
@@ -285,10 +290,6 @@ class TaskExecutor:
 
     def acquire(self, client: Any) -> str | None:
         """A task token if the SuperNode has a ClientApp task waiting."""
-        import httpx
-        from flwr.proto.runtime_pb2 import AcquireTaskRequest
-        from flwr.supercore.constant import TaskType
-
         try:
             res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
         except httpx.TransportError:
@@ -301,13 +302,6 @@ class TaskExecutor:
         An app that is not approved is answered with an error from the task's header alone:
         its payload is never pulled from the SuperNode, let alone decoded.
         """
-        from flwr.app import Error, Message
-        from flwr.common.constant import ErrorCode, SubStatus
-        from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-        from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
-
-        from engine.federation.flower.transfer import pull_task_header, pull_task_message, release_task_message
-
         client = self._client(token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
@@ -357,8 +351,8 @@ class TaskExecutor:
                 heartbeat.stop()
             client.close()
         if self.worker.after_reply is not None:
-            pending, self.worker.after_reply = self.worker.after_reply, None
-            pending.emit()
+            later, self.worker.after_reply = self.worker.after_reply, None
+            later.emit()
 
 
 def check_insecure_allowed(cfg: SiteConfig, insecure: bool) -> None:
