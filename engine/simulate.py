@@ -25,6 +25,7 @@ from engine import catalogue
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.bundle.split import SplitBundle, save_split_bundle
+from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
 from engine.catalogue import build_method, extra_rounds_default, method_names
 from engine.data.disc_crop import check_mode
 from engine.data.site_data import SplitArrays, load_site
@@ -80,7 +81,7 @@ class SimulationConfig:
     selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
-    selector_width: int = 64
+    selector_width: int = DEFAULT_SELECTOR_WIDTH
     prox_mu: float = 0.01
     extra_rounds: int | None = None
     #: FedIOD (engine.fl.fediod): distillation steps per round, generated images per step,

@@ -74,6 +74,8 @@ SELECTOR_HEADS = ("gap", "classic")
 #: Selector backbone widths (:data:`engine.models.selector.SELECTOR_WIDTHS`, repeated here so that reading a
 #: bundle's metadata needs no torch; tests/bundle check that the two agree).
 SELECTOR_WIDTHS = (8, 16, 32, 64)
+#: The selector width a run trains with when none is given (the paper's VGG-11 is 64).
+DEFAULT_SELECTOR_WIDTH = 64
 #: How a FedSM bundle's personalized models were trained: SoftPull (the paper's) or one of the
 #: alternatives of its Table 6, trained inside FedSM (:mod:`engine.fl.personalization`).
 PERSONALIZATION_RULES = ("softpull", "finetune", "apfl", "perfedavg", "pfedme")

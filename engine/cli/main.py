@@ -164,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave this site (e.g. site6) out of training and evaluate it as an unseen site")
     p.add_argument("--selector-size", type=int, default=32)
     p.add_argument("--selector-head", choices=["gap", "classic"], default="gap")
-    p.add_argument("--selector-width", type=int, choices=[8, 16, 32, 64], default=64,
-                   help="the selector's VGG-11 backbone width (the paper's 64; narrower ones send a fraction of its "
-                        "bytes: 16 holds 1/16 of the parameters)")
+    p.add_argument("--selector-width", type=int, choices=[8, 16, 32, 64], default=None,
+                   help="the selector's VGG-11 backbone width (default: engine.bundle.supermodel."
+                        "DEFAULT_SELECTOR_WIDTH; the paper's is 64, narrower ones send a fraction of its bytes: 16 "
+                        "holds 1/16 of the parameters)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", dest="options",
                    help="a dialogue method's setting, e.g. blackfed_client_epochs=4 (repeatable)")
     p.add_argument("--prox-mu", type=float, default=0.01)
@@ -251,11 +252,14 @@ def _run(args: argparse.Namespace) -> int:
             print(p)
         return 0
     if args.command == "simulate":
+        from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
         from engine.cli.data_commands import apply_orientation_option
         from engine.cli.progress import TerminalProgress
         from engine.data.datalist import outside_paths_allowed
 
         apply_orientation_option(args)
+        if args.selector_width is None:
+            args.selector_width = DEFAULT_SELECTOR_WIDTH
         data_dir, datalists = _simulation_data(args.data)
         setup_logging(args.verbose, args.out / "simulate.log")
         set_threads(args.threads)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
 from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import CancelledError, ConfigError
@@ -156,7 +157,7 @@ class LocalTrainingConfig:
     selector_lr: float = 1e-3
     selector_size: int = 32
     selector_head: str = "gap"
-    selector_width: int = 64
+    selector_width: int = DEFAULT_SELECTOR_WIDTH
     selector_optimizer: str = "adam"
     selector_epochs: int = 1
     selector_bn: str = "batch"

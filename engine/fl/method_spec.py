@@ -26,7 +26,12 @@ from typing import Any
 
 from engine import catalogue
 from engine.bundle import check_site_name
-from engine.bundle.supermodel import PERSONALIZATION_RULES, SELECTOR_HEADS, SELECTOR_WIDTHS
+from engine.bundle.supermodel import (
+    DEFAULT_SELECTOR_WIDTH,
+    PERSONALIZATION_RULES,
+    SELECTOR_HEADS,
+    SELECTOR_WIDTHS,
+)
 from engine.catalogue import DEFAULT_LAM, extra_rounds_default, federation_methods
 from engine.data.disc_crop import CROP_MODES, check_mode
 from engine.errors import ConfigError
@@ -116,7 +121,8 @@ class MethodSpec:
                                                      help="the selector's learning rate"))
     selector_size: int = bounded(32, integer(32, 1024, multiple_of=32, help="the selector's input side"))
     selector_head: str = bounded("gap", one_of(SELECTOR_HEADS, help="the selector's head"))
-    selector_width: int = bounded(64, one_of(SELECTOR_WIDTHS, help="the selector's VGG-11 width (the paper's 64)"))
+    selector_width: int = bounded(DEFAULT_SELECTOR_WIDTH, one_of(SELECTOR_WIDTHS,
+                                                                 help="the selector's VGG-11 width (the paper's 64)"))
     lr_schedule: str = bounded("constant", one_of(LR_SCHEDULES, help="learning-rate schedule over rounds"))
     lr_min_ratio: float = bounded(0.01, number(0.0, 1.0, low_open=True, help="the cosine schedule's last lr / lr"))
     loss: str = bounded("dice", one_of(SEGMENTATION_LOSSES, site_key="allowed_losses", help="segmentation loss"))
