@@ -15,7 +15,7 @@ each task, seed (own data per seed) and VGG-11 width (64 is the paper's). Report
 - wall seconds of the training.
 
     python benchmarks/selector_width.py --out runs/selector-width [--tasks fundus,prostate] [--seeds 0,1,2]
-        [--widths 8,16,32,64] [--rounds 60] [--sites 5] [--gamma 0.6]
+        [--widths 8,16,32,64] [--rounds 60] [--sites 5] [--gamma 0.6] [--selector-lr LR]
 
 Writes ``OUT/selector_width.json`` and ``OUT/selector_width.md`` (mean, then per seed); runs already
 in ``OUT`` are reused.
@@ -97,7 +97,8 @@ def run_one(task_name: str, seed: int, width: int, args: argparse.Namespace) -> 
                  or generate_federation(task_name, args.sites, data_dir, image_size=size, seed=seed))
     loaded = [load_site(p, task, size) for p in datalists]
     seen, unseen = loaded[:-1], loaded[-1]
-    training = LocalTrainingConfig(device="cpu", selector_width=width, selector_lr=default_selector_lr("none", None))
+    training = LocalTrainingConfig(device="cpu", selector_width=width,
+                                   selector_lr=args.selector_lr or default_selector_lr("none", None))
     names = [s.name for s in seen]
     method = selector_only_method(task, names, training, seed, args.rounds)
     runtimes = [SiteRuntime(s.name, k, s.train) for k, s in enumerate(seen)]
@@ -157,6 +158,7 @@ def main() -> None:
     parser.add_argument("--sites", type=int, default=5, help="sites generated; the last is held out")
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--gamma", type=float, default=0.6)
+    parser.add_argument("--selector-lr", type=float, default=None, help="default: the reference scheme's")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))

@@ -127,7 +127,7 @@ class FleetOnly:
         sender = None
         if self.auth is not None:
             if not self.auth.allowed(scope):
-                await _answer(send, 401, b"Invalid SuperNode authentication\n")
+                await _refuse_unauthenticated(scope["path"], send)
                 return
             sender = _header(scope, b"flwr-public-key")  # authenticated: its key names the site
         # too many bytes on their way in, or in Flower's hands, at once (or from this site): come back later
@@ -188,6 +188,33 @@ class FleetOnly:
         # the .bin appears whole or not at all (a reader globs for it)
         stem.with_suffix(".part").write_bytes(body)
         stem.with_suffix(".part").replace(stem.with_suffix(".bin"))
+
+
+async def _refuse_unauthenticated(path: str, send: Send) -> None:
+    """401, or for a node's activation Flower's own answer to a key it does not know.
+
+    A SuperNode whose key is not enrolled first asks to activate its node; Flower refuses that
+    with its public error 2004 ("Failed to activate SuperNode"), which the SuperNode reports (and
+    ``fedsm site`` turns into "this site's key is not enrolled"). Refused here before Flower sees
+    it, the SuperNode gets the same answer, built from Flower's own error catalogue, and the
+    SuperLink's log the same line.
+    """
+    if not path.endswith("/activate-node"):
+        await _answer(send, 401, b"Invalid SuperNode authentication\n")
+        return
+    import json
+
+    from flwr.supercore.error.base import ApiErrorCode, FlowerError
+    from flwr.supercore.error.catalog import API_ERROR_MAP
+
+    code = ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED
+    spec = API_ERROR_MAP[code]
+    body = json.dumps(FlowerError(code, "key not enrolled").to_json(spec.public_message)).encode()
+    print(f"[{path}][ApiError:{int(code)}] refused from its headers: the node's key is not enrolled", flush=True)
+    await send({"type": "http.response.start", "status": int(spec.http_status_code),
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
