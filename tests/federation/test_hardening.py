@@ -132,7 +132,7 @@ def test_superlink_and_supernode_never_install_app_dependencies(tmp_path, monkey
         assert "--disable-runtime-dependency-installation" in args
         assert "--allow-runtime-dependency-installation" not in args
         assert _parse_args_run_superlink().parse_args(args).runtime_dependency_install is False
-    # Flower 1.41's SuperNode has no "disable" flag: installation is off unless "--allow-..." is given
+    # Flower's SuperNode (1.41, 1.42) has no "disable" flag: installation is off unless "--allow-..." is given
     site = fedconfig.load_site_config(write_site_toml(tmp_path, "127.0.0.1:9092"), check_files=False)
     for insecure in (False, True):
         argv = SuperNodeSupervisor(site, insecure, 9998, None, tmp_path / "sn.log").argv()  # type: ignore[arg-type]

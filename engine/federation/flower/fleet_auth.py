@@ -1,6 +1,6 @@
 """Authenticate a fleet request from its headers, before its body is read.
 
-Flower 1.41's HTTP Fleet API authenticates a SuperNode with three headers: its public key
+Flower's HTTP Fleet API (1.41, 1.42) authenticates a SuperNode with three headers: its public key
 (``flwr-public-key``, PEM, base64), a timestamp (``flwr-timestamp``) and its signature of the
 timestamp (``flwr-signature``); the body is not signed. Flower checks them only after the
 body has been read and parsed, so anyone who reaches the sites' address can make the

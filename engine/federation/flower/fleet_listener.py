@@ -1,6 +1,6 @@
 """The SuperLink's two listeners: everything on 127.0.0.1, Flower's Fleet API alone on the sites' address.
 
-Flower 1.41's SuperLink serves its Fleet API (what SuperNodes call), its Control API (start
+Flower's SuperLink (1.41, 1.42) serves its Fleet API (what SuperNodes call), its Control API (start
 runs with any app bundle, register nodes) and its Runtime API (what a ServerApp calls) from
 one FastAPI application on one port. Exposing that port would let anyone who reaches it push
 an app to every site. So the SuperLink process (started by :mod:`.launch`) serves the same
@@ -50,7 +50,7 @@ from engine.federation.flower.upload_limits import (
 )
 
 FLEET_PREFIX = "/v1/fleet/"
-#: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41, plus framing (upload_limits).
+#: Largest request body accepted: an object chunk is 5 MiB in Flower 1.41 and 1.42, plus framing (upload_limits).
 MAX_BODY = UPLOAD_MAX_BODY
 #: Bodies above this size reach Flower one at a time (see :meth:`FleetOnly.__call__`).
 LARGE_BODY = 64 * 1024

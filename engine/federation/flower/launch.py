@@ -12,7 +12,7 @@ What the plain ``flower-superlink`` / ``flower-supernode`` commands do not do:
 - **Parent watchdog.** The child stops (SIGINT, so a SuperNode deactivates itself at the
   coordinator; forced exit after 10 s) as soon as its parent is gone, even if the parent was
   killed with SIGKILL. No Flower process outlives the FedSM process that started it.
-- **Prompt polling (SuperNode).** Flower 1.41's SuperNode sleeps 3 s between checks for new
+- **Prompt polling (SuperNode).** Flower's SuperNode (1.41, 1.42) sleeps 3 s between checks for new
   messages and 0.5 s while waiting for a reply, with no setting for either; that alone adds up
   to 3.5 s to every round. And it backs off 1 s, 2 s, ... 10 s when it asks for a weight chunk
   that the coordinator has not finished uploading. The launcher caps the message loop's sleeps
@@ -105,6 +105,26 @@ class _CappedTime:
         return getattr(time, name)
 
 
+#: The Flower versions FedSM is tested with (pyproject.toml pins the same range).
+TESTED_FLOWER = "flwr>=1.41,<1.43"
+
+
+def require_names(module: Any, *names: str) -> None:
+    """Refuse to start when ``module`` lacks a name FedSM replaces (a Flower it was not tested with).
+
+    Each replacement below is Flower-internal; assigning to a name Flower no longer has would
+    add an attribute nobody reads and lose the property silently (approval before pull, prompt
+    polling, the fleet-only listener), so a missing name stops the launch with one clear line.
+    """
+    missing = [name for name in names if getattr(module, name, None) is None]
+    if missing:
+        from importlib.metadata import version
+
+        raise SystemExit(f"this Flower (flwr {version('flwr')}) has no {', '.join(missing)} in "
+                         f"{getattr(module, '__name__', module)}, which FedSM replaces; FedSM is tested with "
+                         f"{TESTED_FLOWER} (pip install '{TESTED_FLOWER}')")
+
+
 def _prompt_supernode(cap: float) -> None:
     from flwr.supercore.inflatable import inflatable_utils
     from flwr.supernode import start_client_internal
@@ -112,6 +132,7 @@ def _prompt_supernode(cap: float) -> None:
     from engine.federation.flower.transfer import BACKOFF_CAP, INITIAL_BACKOFF
 
     module: ModuleType = start_client_internal
+    require_names(module, "time", "pull_objects")
     module.time = _CappedTime(cap)  # type: ignore[attr-defined]
     # the SuperNode's pulls of a message's objects from the coordinator: same prompt back-off
     module.pull_objects = functools.partial(  # type: ignore[attr-defined]
@@ -139,6 +160,7 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
     from flwr.common.constant import ErrorCode
     from flwr.supercore.run import RunNotRunningException
 
+    require_names(module, "_pull_and_store_message", "_insert_message")
     original = module._pull_and_store_message
     say = report or (lambda text: print(text, flush=True))
 
@@ -227,9 +249,7 @@ def _serve_fleet_separately(module: Any, fleet_address: str, record_dir: str | N
     from flwr.supercore.http_logging import get_uvicorn_log_config
     from flwr.superlink.main import create_app
 
-    if not callable(getattr(module, "_run_superlink_http_api", None)):
-        raise SystemExit("this Flower version's SuperLink command has no _run_superlink_http_api; FedSM needs "
-                         "flwr 1.41 (pip install 'flwr==1.41.*')")
+    require_names(module, "_run_superlink_http_api", "SuperLinkLifespan", "console_handler")
     host, _, port = fleet_address.rpartition(":")
 
     def run_http_api(lifespan_config: Any) -> None:

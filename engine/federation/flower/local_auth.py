@@ -1,6 +1,6 @@
 """A per-process secret on the loopback APIs: only the FedSM process that started a Flower child reaches its API.
 
-Flower 1.41 serves, on one loopback port per component, APIs that steer a run:
+Flower (1.41, 1.42) serves, on one loopback port per component, APIs that steer a run:
 
 - the SuperLink's Control API (register or unregister a node, start, stop or list runs) and
   Runtime API (take the ServerApp task, send messages to sites, read their replies);

@@ -1,7 +1,7 @@
 """Hand a Flower API application each request body in one piece.
 
 uvicorn passes a request body to the application as it arrives from the socket: a 5 MB
-weight chunk comes as ~20–30 ``http.request`` messages. Flower 1.41's APIs (SuperLink, and
+weight chunk comes as ~20–30 ``http.request`` messages. Flower's APIs (1.41, 1.42: SuperLink, and
 the SuperNode's Runtime API the site's ClientApp talks to) sit behind Starlette's
 ``BaseHTTPMiddleware``, which passes every one of those messages through its own task group
 and memory streams before Flower joins them into one ``bytes`` anyway. :class:`WholeBody`

@@ -1,6 +1,6 @@
 """Prompt message transfers: Flower's object pulls without its 1-10 s back-off, several at a time.
 
-Flower 1.41 announces a message before all of its objects (the weight chunks) have arrived,
+Flower (1.41, 1.42) announces a message before all of its objects (the weight chunks) have arrived,
 and a receiver that asks too early for an object backs off 1 s, 2 s, 4 s, ... up to 10 s.
 With FedSM's ~50 MB payloads that back-off, not the transfer, dominated a round. Here the
 same pulls retry after 20 ms, doubling up to 100 ms, and up to :data:`PULL_WORKERS` objects

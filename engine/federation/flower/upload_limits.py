@@ -1,6 +1,6 @@
 """Bounds on what sites can make the SuperLink hold: bytes being received, and bytes per reply.
 
-Flower 1.41 bounds neither: its HTTP Fleet API reads any request body whole before it checks
+Flower (1.41, 1.42) bounds neither: its HTTP Fleet API reads any request body whole before it checks
 the SuperNode's signature, and it stores every object a node pushes for a message, however
 many and however large, until the ServerApp pulls them. The fleet listener
 (:class:`.fleet_listener.FleetOnly`) therefore applies, before a request reaches Flower:
