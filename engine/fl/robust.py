@@ -142,11 +142,12 @@ def _norm(weights: Mapping[str, torch.Tensor]) -> float:
 
 
 def _change_norm(update: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> float:
+    # the difference in the tensors' own precision (one temporary), its norm accumulated in float64
     total = 0.0
     for key, ref in reference.items():
         if ref.dtype.is_floating_point and key in update:
-            diff = update[key].detach().to(torch.float64) - ref.detach().to(torch.float64)
-            total += float(torch.linalg.vector_norm(diff)) ** 2
+            diff = update[key].detach() - ref.detach()
+            total += float(torch.linalg.vector_norm(diff, dtype=torch.float64)) ** 2
     return math.sqrt(total)
 
 
@@ -179,6 +180,17 @@ class UpdateScreen:
         self.settings = settings or RobustSettings()
         self.report = report or (lambda site, message: log.warning("%s: %s", site, message))
         self.first_count: dict[str, int] = {}
+        self._norms: dict[int, tuple[Mapping[str, torch.Tensor], float]] = {}
+
+    def _reference_norm(self, reference: Mapping[str, torch.Tensor]) -> float:
+        """``_norm(reference)``, computed once per reference (every site of a round shares the global model)."""
+        hit = self._norms.get(id(reference))
+        if hit is None or hit[0] is not reference:
+            if len(self._norms) > 64:  # older rounds' references
+                self._norms.clear()
+            hit = (reference, _norm(reference))  # keeps ``reference`` alive, so its id stays unique
+            self._norms[id(reference)] = hit
+        return hit[1]
 
     def count_bound(self, site: str) -> int:
         """The largest ``num_examples`` accepted from ``site`` now."""
@@ -212,7 +224,7 @@ class UpdateScreen:
                                  f"{bound} allowed for it ([robust] num_examples / max_num_examples)")
         reference = {part: ref for part, ref in method.expected_update_shapes(state, site).items()
                      if part in NORM_PARTS}
-        norms = {part: _norm(ref) for part, ref in reference.items()}
+        norms = {part: self._reference_norm(ref) for part, ref in reference.items()}
         largest = max(norms.values(), default=0.0)
         weights = dict(update.weights)
         clipped = False

@@ -159,8 +159,8 @@ def test_a_local_process_without_the_secret_gets_nothing(tmp_path, pki):  # noqa
 
         # Anonymous uploads on the sites' address cannot grow the SuperLink's memory
         check_anonymous_uploads_are_bounded(superlink.pid, fleet_port, pki / "ca.pem")
-        # ... nor can small or slow anonymous requests, and they leave an enrolled site's uploads alone
-        check_small_and_slow_anonymous_requests(superlink.pid, fleet_port, pki / "ca.pem", pki / "site1.key")
+        # ... nor can many small anonymous requests
+        check_small_anonymous_requests(superlink.pid, fleet_port, pki / "ca.pem")
     finally:
         for client in clients:
             client.close()
@@ -210,31 +210,11 @@ def check_anonymous_uploads_are_bounded(pid: int, fleet_port: int, ca: Path) -> 
     assert max(peak_large, after, again) - before < 50, (before, peak_large, after, again)  # issue 16: +950 MB
 
 
-def _signed_headers(private_key_path: Path) -> dict[str, str]:
-    """The headers Flower's SuperNode signs every fleet request with (its key, a timestamp, the signature)."""
-    from base64 import b64encode
-
-    from cryptography.hazmat.primitives import serialization
-    from flwr.common.constant import TIMESTAMP_HEADER
-    from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
-    from flwr.supercore.date import now
-    from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
-
-    key = serialization.load_ssh_private_key(private_key_path.read_bytes(), password=None)  # as Flower reads it
-    timestamp = now().isoformat()
-    return {FLEET_HTTP_PUBLIC_KEY_HEADER: b64encode(public_key_to_bytes(key.public_key())).decode("ascii"),
-            TIMESTAMP_HEADER: timestamp,
-            FLEET_HTTP_SIGNATURE_HEADER: b64encode(sign_message(key, timestamp.encode("ascii"))).decode("ascii")}
-
-
-def check_small_and_slow_anonymous_requests(pid: int, fleet_port: int, ca: Path, site_key: Path) -> None:
-    """3,000 small anonymous requests leave the SuperLink's memory flat; while 1,100 anonymous connections
-    hold a half-sent 64 KiB body each, an enrolled site's signed 1 MB upload is still served (red-team, issue 30)."""
+def check_small_anonymous_requests(pid: int, fleet_port: int, ca: Path) -> None:
+    """3,000 small anonymous requests leave the SuperLink's memory flat (red-team, issue 30). The slow
+    connections' attack runs beside a real federation: tests/federation/test_loopback_secure.py."""
     import concurrent.futures
-    import resource
-    import socket
     import ssl
-    import time
 
     context = ssl.create_default_context(cafile=str(ca))
     url = f"https://127.0.0.1:{fleet_port}/v1/fleet/push-object"
@@ -253,32 +233,3 @@ def check_small_and_slow_anonymous_requests(pid: int, fleet_port: int, ca: Path,
     assert codes == [401] * 3000  # refused from the headers: not a byte of any body was read
     assert abs(after - before) <= 30, (before, after)
 
-    held = 1100  # the red-team's count: 1,100 x 64 KiB is more than the 64 MiB in-flight budget
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < held + 200 and hard >= held + 200:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (held + 200, hard))
-    elif soft < held + 200:
-        pytest.skip(f"needs {held + 200} open files, the limit is {hard}")
-    slow: list[ssl.SSLSocket] = []
-    try:
-        for _ in range(held):
-            sock = context.wrap_socket(socket.create_connection(("127.0.0.1", fleet_port), timeout=30),
-                                       server_hostname="127.0.0.1")
-            sock.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                         b"Content-Type: application/protobuf\r\nContent-Length: 65536\r\n\r\nX")
-            slow.append(sock)
-        started = time.monotonic()
-        reply = httpx.post(url, content=b"\1" * 1_000_000, verify=context, timeout=60,
-                           headers={**headers, **_signed_headers(site_key)})
-        took = time.monotonic() - started
-        # Flower's own answer to a signed body that is no object of a run it knows; never "busy, retry later"
-        print(f"enrolled upload beside {held} slow anonymous connections: {reply.status_code} in {took:.2f} s")
-        assert reply.status_code != 503 and took < 10, (reply.status_code, reply.text[:200], took)
-        refused = 0
-        for sock in slow[:50]:
-            sock.settimeout(10)
-            refused += sock.recv(64).startswith(b"HTTP/1.1 401")
-        assert refused == 50  # each was answered at its headers, not held open reading a body
-    finally:
-        for sock in slow:
-            sock.close()
