@@ -38,7 +38,6 @@ from engine.data.datalist import outside_paths_allowed
 from engine.errors import CancelledError, ConfigError, FedSMError
 from engine.federation.config import SiteConfig, check_site_files, is_loopback, parse_address
 from engine.federation.events import EventWriter
-from engine.federation.flower.client_app import SiteWorker, build_client_app, shareable_reason
 from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
 from engine.federation.flower.local_auth import interceptors, new_secret
@@ -302,6 +301,8 @@ class TaskExecutor:
         An app that is not approved is answered with an error from the task's header alone:
         its payload is never pulled from the SuperNode, let alone decoded.
         """
+        from engine.federation.flower.client_app import shareable_reason  # torch: only once a task runs
+
         client = self._client(token)
         heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
         heartbeat.start()
@@ -407,6 +408,9 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
 
         torch.set_num_threads(cfg.threads)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    # the ClientApp (torch, MONAI) loads only once the checks above passed: a refused start is quick
+    from engine.federation.flower.client_app import SiteWorker, build_client_app
+
     stopping = stop or (lambda: False)
     worker = SiteWorker(cfg, events, cancel=stopping, validate=validate)
     port = cfg.runtime_port or free_port()
