@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from engine.bench.tables import mean_and_per_seed
 
 RULES = {"mean": {"clip": 0.0}, "clip1": {"clip": 1.0}, "clip2": {"clip": 2.0},
          "median": {"aggregation": "median", "clip": 0.0}}
@@ -98,14 +99,13 @@ def table(results: dict[str, dict[str, float]], methods: list[str], seeds: list[
             def dice(attack: str, method: str = method, rule: str = rule) -> list[float]:
                 return [results[f"{method}-s{s}-{rule}-{attack}"]["dice"] for s in seeds]
 
-            cells = [f"**{statistics.fmean(dice(a)):.4f}** ({' / '.join(f'{v:.4f}' for v in dice(a))})"
-                     for a in attacks]
+            cells = [mean_and_per_seed(dice(a)) for a in attacks]
             if "none" in attacks:
                 for a in attacks:
                     if a == "none":
                         continue
                     diffs = [x - h for x, h in zip(dice(a), dice("none"), strict=True)]
-                    cells.append(f"{statistics.fmean(diffs):+.4f} ({' / '.join(f'{d:+.4f}' for d in diffs)})")
+                    cells.append(mean_and_per_seed(diffs, signed=True).replace("**", ""))
             lines.append(f"| {method} | {rule} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

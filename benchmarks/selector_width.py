@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.bench.tables import mean_and_per_seed
+
 
 def selector_only_method(task: Any, site_names: list[str], training: Any, seed: int, rounds: int) -> Any:
     """FedSM's selector training alone, as a :class:`engine.fl.methods.FederatedMethod` (its server and site
@@ -140,10 +142,7 @@ def table(results: dict[str, dict[str, float]], tasks: list[str], seeds: list[in
         for width in widths:
             cells = []
             for key, _, digits in COLUMNS:
-                values = [results[f"{task}-s{s}-w{width}"][key] for s in seeds]
-                per_seed = " / ".join(f"{v:.{digits}f}" for v in values)
-                cells.append(f"**{statistics.fmean(values):.{digits}f}** ({per_seed})" if len(values) > 1
-                             else per_seed)
+                cells.append(mean_and_per_seed([results[f"{task}-s{s}-w{width}"][key] for s in seeds], digits))
             lines.append(f"| {task} | {width} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

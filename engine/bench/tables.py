@@ -46,6 +46,13 @@ def fmt(mean: float, std: float | None = None, n: int | None = None, digits: int
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def mean_and_per_seed(values: list[float], digits: int = 4, signed: bool = False) -> str:
+    """``**mean** (v0 / v1 / ...)``: a table cell of one figure over seeds (the value alone for one seed)."""
+    form = f"{'+' if signed else ''}.{digits}f"
+    per_seed = " / ".join(format(v, form) for v in values)
+    return f"**{format(sum(values) / len(values), form)}** ({per_seed})" if len(values) > 1 else per_seed
+
+
 def _select(results: Results, task: str, analysis: str, method: str | None = None) -> dict[int, dict[str, Any]]:
     return {k.seed: r for k, r in results.items()
             if k.task == task and k.analysis == analysis and (method is None or k.method == method)}

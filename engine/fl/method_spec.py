@@ -56,7 +56,14 @@ from engine.fl.setting_bounds import (
     number,
     one_of,
 )
-from engine.fl.training_options import LR_SCHEDULES, SEGMENTATION_LOSSES, SELECTOR_BN_MODES
+from engine.fl.training_options import (
+    DEFAULT_WIRE_PRECISION,
+    LR_SCHEDULES,
+    SEGMENTATION_LOSSES,
+    SELECTOR_BN_MODES,
+    WIRE_PRECISIONS,
+    check_wire_precision,
+)
 from engine.tasks import TASKS, get_task
 
 #: FedSM's site routings (``"auto"`` and :data:`engine.models.style_gate_format.SITE_ROUTINGS`, written out
@@ -66,19 +73,6 @@ SITE_ROUTING_CHOICES = ("auto", "selector", "style")
 MAX_ROUNDS = 10_000
 #: Most passes over a site's data any network may train per round.
 MAX_EPOCHS = 1000
-
-
-#: ``wire_precision`` values (engine.fl.wire_precision): ``"bfloat16"`` (the default) or ``"float32"``.
-WIRE_PRECISIONS = ("bfloat16", "float32")
-DEFAULT_WIRE_PRECISION = "bfloat16"
-
-
-def check_wire_precision(value: object) -> str:
-    """``value`` if it is one of :data:`WIRE_PRECISIONS`, else :class:`ConfigError`."""
-    if value not in WIRE_PRECISIONS:
-        raise ConfigError(f"wire_precision must be one of {', '.join(WIRE_PRECISIONS)}, got {value!r} "
-                          "(bfloat16 halves the bytes each way; float32 sends every tensor as it is)")
-    return str(value)
 
 
 def network_methods() -> tuple[str, ...]:
@@ -353,7 +347,7 @@ def _resolve_defaults(values: dict[str, Any]) -> None:
             values["selector_lr"] = effective_selector_lr(str(values.get("method")),
                                                           str(values.get("selector_calibration")), None)
     except (ConfigError, TypeError, ValueError):
-        pass  # an unknown method or scheme: its own bound says so
+        return  # an unknown method or scheme has no default to resolve; its own bound reports it
 
 
 def _check(name: str, value: Any, bound: Bound, site: Callable[[str], Any]) -> list[str]:

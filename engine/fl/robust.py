@@ -258,8 +258,7 @@ def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, u
     message)`` is told of every update clipped to the round's median (``settings.clip``).
     """
     if settings is not None and settings.clip > 0:
-        updates = clip_to_median(method, state, updates, settings.clip, report)
-        settings = replace(settings, clip=0.0)  # clipped once, among all the round's updates
+        updates = clip_to_median(method, state, updates, settings.clip, report)  # once, among all of them
     try:
         return _aggregate(method, state, rnd, updates, settings), {}
     except CancelledError:

@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping
 import torch
 
 from engine.errors import WeightsError
-from engine.fl.method_spec import DEFAULT_WIRE_PRECISION, WIRE_PRECISIONS, check_wire_precision
+from engine.fl.training_options import DEFAULT_WIRE_PRECISION, WIRE_PRECISIONS, check_wire_precision
 
 __all__ = ["DEFAULT_WIRE_PRECISION", "WIRE_PRECISIONS", "DownCache", "check_wire_precision", "decode_down",
            "decode_up", "encode_down", "encode_up"]

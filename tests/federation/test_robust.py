@@ -95,13 +95,8 @@ def test_modified_sites_are_left_out_and_the_round_completes(datalists, tmp_path
     grid = FakeGrid(workers, tamper=lambda node, r: _alter(ATTACKS[name[node]])(r) if name[node] in ATTACKS else r)
     s = _spec5()
     method = build_method(s, "cpu")
-    run = FederationRunner(method, s, RoundSettings(min_sites=1, round_timeout=2.0, start_timeout=2.0,
-                                                    round_attempts=1, poll_interval=0.01),
-                           RegisteredSites({w.cfg.name: node for node, w in workers.items()}),
-                           EventWriter("server", listener=events.append), tmp_path / "ckpt.safetensors",
-                           "session1", "sha256:" + "0" * 64)
     initial = method.initial_state()
-    state = run._round(grid, initial, 1, _NoWriter())  # never raises: the coordinator goes on
+    state = _first_round(method, s, workers, grid, events, tmp_path, 2.0)  # never raises: the coordinator goes on
     end = next(e for e in events if e["event"] == "round_end" and e["round"] == 1)
     assert end["answered"] == ["site1"], end
     for site, kind in ATTACKS.items():
@@ -123,6 +118,16 @@ def test_modified_sites_are_left_out_and_the_round_completes(datalists, tmp_path
                                            "site2": _rebuilt(method, initial, scaled.content, "site2")})
     assert torch.linalg.vector_norm(ruined["global"][next(iter(ruined["global"]))]) > 1e3 * torch.linalg.vector_norm(
         expected["global"][next(iter(expected["global"]))])
+
+
+def _first_round(method, spec, workers, grid, events, tmp_path, timeout):
+    """Round 1 of ``method`` from its initial state through the coordinator's round loop over ``grid``."""
+    run = FederationRunner(method, spec, RoundSettings(min_sites=1, round_timeout=timeout, start_timeout=2.0,
+                                                       round_attempts=1, poll_interval=0.01),
+                           RegisteredSites({w.cfg.name: node for node, w in workers.items()}),
+                           EventWriter("server", listener=events.append), tmp_path / "ckpt.safetensors",
+                           "session1", "sha256:" + "0" * 64)
+    return run._round(grid, method.initial_state(), 1, _NoWriter())
 
 
 def _rebuilt(method, state, content, site):
@@ -220,13 +225,7 @@ def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path
         name = {node: w.cfg.name for node, w in workers.items()}
         grid = FakeGrid(workers, tamper=lambda node, r: tamper(r) if name[node] == "site3" else r)
         method = build_method(spec, "cpu")
-        runner = FederationRunner(method, spec, RoundSettings(min_sites=1, round_timeout=30.0, start_timeout=2.0,
-                                                              round_attempts=1, poll_interval=0.01),
-                                  RegisteredSites({w.cfg.name: node for node, w in workers.items()}),
-                                  EventWriter("server", listener=events.append), tmp_path / "ckpt.safetensors",
-                                  "session1", "sha256:" + "0" * 64)
-        initial = method.initial_state()
-        return initial, runner._round(grid, initial, 1, _NoWriter()), events
+        return method.initial_state(), _first_round(method, spec, workers, grid, events, tmp_path, 30.0), events
 
     initial, honest, honest_events = run(lambda r: r)
     _, attacked, events = run(_times_five)
