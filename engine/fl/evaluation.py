@@ -9,7 +9,8 @@ import torch
 
 from engine.data.preprocess import resize_images
 from engine.fl.local_training import Device
-from engine.models import build_segmentation_net, build_selector
+from engine.models import build_selector
+from engine.models.segmentation import segmentation_net_holding
 from engine.tasks import TaskSpec
 
 
@@ -48,9 +49,7 @@ def segment_with(task: TaskSpec, weights: Mapping[str, torch.Tensor], images: np
                  device: str = "auto", batch_size: int = 16) -> np.ndarray:
     """Binary masks ``uint8 (N, L, H, W)`` from one segmentation network (sigmoid > 0.5)."""
     dev = Device.resolve(device)
-    net = build_segmentation_net(task.in_channels, task.out_channels)
-    net.load_state_dict(weights)
-    net.to(dev.torch_device).eval()
+    net = segmentation_net_holding(task.in_channels, task.out_channels, weights).to(dev.torch_device)
     out = np.zeros((len(images), task.out_channels, *images.shape[2:]), dtype=np.uint8)
     with torch.inference_mode():
         for start in range(0, len(images), batch_size):

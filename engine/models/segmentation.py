@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping
+
+import torch
 from torch import nn
 
 #: Feature channels per level and downsampling strides of the U-Net.
@@ -37,3 +41,34 @@ def build_segmentation_net(in_channels: int, out_channels: int) -> nn.Module:
         strides=UNET_STRIDES,
         num_res_units=UNET_RESIDUAL_UNITS,
     )
+
+
+#: Per thread, one U-Net per (in, out) channel pair that :func:`segmentation_net_holding` reloads.
+_reused = threading.local()
+
+
+def segmentation_net_holding(in_channels: int, out_channels: int,
+                             weights: Mapping[str, torch.Tensor]) -> nn.Module:
+    """A U-Net holding a copy of ``weights``, in eval mode, for inference.
+
+    Building MONAI's U-Net is ~35 ms of Python (its blocks and their random initialisation);
+    loading weights into one already built is ~4 ms, and an evaluation loads a model per site
+    and round hundreds of times. So the network is built once per thread and channel pair and
+    reloaded: every parameter and buffer is overwritten (``strict`` loading), and building it
+    never draws from torch's random generator after the first call.
+
+    The module is shared with the next call in the same thread: use it before that call, do not
+    keep it, do not train it.
+    """
+    nets = getattr(_reused, "nets", None)
+    if nets is None:
+        nets = _reused.nets = {}
+    key = (int(in_channels), int(out_channels))
+    net = nets.get(key)
+    if net is None:
+        # built under its own generator state, so that the first evaluation of a run draws no
+        # more random numbers from the caller's stream than later ones (none)
+        with torch.random.fork_rng(devices=[]):
+            net = nets[key] = build_segmentation_net(in_channels, out_channels)
+    net.load_state_dict(weights)
+    return net.eval()

@@ -98,7 +98,7 @@ class LoopbackFederation:
         self.sites = sites
         root.mkdir(parents=True, exist_ok=True)
         fed = {"sites": sites, "address": f"127.0.0.1:{self.port}", "work_dir": "coord", "min_sites": len(sites),
-               "round_timeout": 240, "start_timeout": 240, "poll_interval": 0.5, **(federation or {})}
+               "round_timeout": 240, "start_timeout": 240, "poll_interval": 0.2, **(federation or {})}
         self.config = root / "federation.toml"
         self.config.write_text(_toml({"federation": fed, "training": training,
                                       "tls": {"ca_cert": str(pki / "ca.pem"), "server_cert": str(pki / "server.pem"),
@@ -110,7 +110,7 @@ class LoopbackFederation:
             self.site_config(site).write_text(_toml({
                 "site": {"name": site, "coordinator": f"127.0.0.1:{self.port}", "task": "fundus",
                          "datalist": str(datalists[k % len(datalists)]), "work_dir": f"work-{site}", "device": "cpu",
-                         "threads": 1, "poll_interval": 0.5},
+                         "threads": 1, "poll_interval": 0.2},
                 "security": {"ca_cert": str(pki / "ca.pem"), "private_key": str(pki / f"{site}.key"),
                              "approved_apps": [(approved or {}).get(site, app)]}}))
 
