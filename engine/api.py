@@ -21,6 +21,14 @@ from engine.errors import (
     WeightsError,
 )
 from engine.federation.demo_site import demo_site_command as _demo_site_command
+from engine.federation.flower.app_bundle import build_app_bundle
+from engine.io.export import export_mask as _export_mask
+from engine.io.export import read_provenance as _read_provenance
+from engine.io.label_conventions import convention_from_name
+from engine.io.masks import open_mask as _open_mask_file
+from engine.io.privacy import mask_stem
+from engine.io.readers import list_series as _list_series_at
+from engine.io.readers import open_study as _open_study_at
 from engine.security.run_review import review_rows
 from engine.security.run_spec import format_settings
 
@@ -83,17 +91,13 @@ def simulate(out_dir: Path, progress: ProgressFn | None = None, cancel: Callable
 
 def list_series(path: Path) -> list[SeriesInfo]:
     """What can be opened at ``path`` (DICOM series of a folder, or the file itself), from headers only."""
-    from engine.io.readers import list_series as list_at
-
-    return list_at(Path(path))
+    return _list_series_at(Path(path))
 
 
 def open_study(path: Path, series_uid: str | None = None, progress: ProgressFn | None = None,
                cancel: Callable[[], bool] | None = None) -> Study:
     """Open a photo, a NIfTI/MHA/NRRD volume or a DICOM series (``series_uid`` picks one of a folder's)."""
-    from engine.io.readers import open_study as open_at
-
-    return open_at(Path(path), series_uid=series_uid, progress=progress, cancel=cancel)
+    return _open_study_at(Path(path), series_uid=series_uid, progress=progress, cancel=cancel)
 
 
 def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelMap:
@@ -102,13 +106,9 @@ def open_mask(path: Path, study: Study, convention: str | None = None) -> LabelM
     ``convention="auto"`` takes the convention the file name identifies (a Drishti-GS soft map
     opens as one binarised disc/cup map with its partner file), else the values as stored.
     """
-    from engine.io.masks import open_mask as open_labels
-
     if convention == "auto":
-        from engine.io.label_conventions import convention_from_name
-
         convention = convention_from_name(path)
-    return open_labels(Path(path), study, convention)
+    return _open_mask_file(Path(path), study, convention)
 
 
 def validate_data(datalists: list[Path], convention: str | None = None, task: str | None = None,
@@ -153,8 +153,6 @@ def mask_file_stem(study: Study, keep_names: bool = False) -> str:
     """The name a mask of ``study`` gets before ``_mask.<ext>``: ``case-`` + the hash of its files' content,
     or with ``keep_names`` the source's own name (``case7.nii.gz`` -> ``case7``). Hashing reads the
     study's files: call it off the GUI thread."""
-    from engine.io.privacy import mask_stem
-
     return mask_stem(study, keep_names)
 
 
@@ -255,16 +253,12 @@ def cup_to_disc_ratio(labels: Any, names: dict[int, str]) -> CupToDisc | None:
 
 def export_mask(study: Study, labels: LabelMap, out_path: Path, provenance: Provenance | None = None) -> Path:
     """Write a mask as NIfTI, PNG or DICOM SEG (by suffix) with its provenance; see ``engine.io.export``."""
-    from engine.io.export import export_mask as export
-
-    return export(study, labels, Path(out_path), provenance)
+    return _export_mask(study, labels, Path(out_path), provenance)
 
 
 def read_provenance(path: Path) -> Provenance:
     """The provenance record of a mask FedSM exported (or of its ``.provenance.json`` sidecar)."""
-    from engine.io.export import read_provenance as read
-
-    return read(Path(path))
+    return _read_provenance(Path(path))
 
 
 def benchmark(preset: str, out_dir: Path, *, fresh: bool = False, device: str = "auto", threads: int = 1,
@@ -323,8 +317,6 @@ def read_site_config(path: Path) -> dict[str, Any]:
 
 def app_hash() -> str:
     """``sha256:...`` of the FedSM app this installation runs: what a site pins in ``approved_apps``."""
-    from engine.federation.flower.app_bundle import build_app_bundle
-
     return build_app_bundle().hash
 
 

@@ -7,12 +7,12 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.threads import use_threads
+
 
 def set_threads(threads: int | None) -> int:
     """torch's CPU threads for a command: ``threads`` if given (kept while the command runs, also when
     inference loads a model), else ``OMP_NUM_THREADS`` or the free cores (:mod:`engine.threads`)."""
-    from engine.threads import use_threads
-
     return use_threads(threads)
 
 

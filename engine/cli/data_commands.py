@@ -16,12 +16,13 @@ from typing import Any
 
 from engine import api
 from engine.cli.common import setup_logging
+from engine.data.datalist import outside_paths_allowed
+from engine.io.label_conventions import CONVENTIONS
+from engine.io.masks import set_orientation_tolerance
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``validate-data`` to the ``fedsm`` parser."""
-    from engine.io.label_conventions import CONVENTIONS
-
     p = sub.add_parser(
         "validate-data", help="check site datalists: every image has its mask, sizes, geometry and label values",
         description="Check that every image of each datalist opens, has its mask, that sizes and geometry match "
@@ -49,8 +50,6 @@ def add_orientation_option(p: argparse.ArgumentParser) -> None:
 
 def apply_orientation_option(args: argparse.Namespace) -> None:
     """Set the process-wide mask orientation tolerance from ``--tolerate-orientation``."""
-    from engine.io.masks import set_orientation_tolerance
-
     set_orientation_tolerance(getattr(args, "tolerate_orientation", 0.0))
 
 
@@ -101,8 +100,6 @@ def format_report(report: dict[str, Any]) -> str:
 
 def validate_data_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm validate-data``."""
-    from engine.data.datalist import outside_paths_allowed
-
     setup_logging(args.verbose)
     apply_orientation_option(args)
     with outside_paths_allowed(args.allow_outside):

@@ -19,6 +19,7 @@ from engine.cli.main import add_threads_option
 from engine.errors import ConfigError
 from engine.federation.events import EventWriter
 from engine.federation.flower.app_bundle import build_app_bundle
+from engine.federation.flower.memory import keep_freed_memory
 from engine.security.run_review import stdin_confirmation
 
 
@@ -79,7 +80,6 @@ def _events(args: argparse.Namespace, source: str, site: str | None, path: Path)
 
 def _server(args: argparse.Namespace) -> int:
     from engine.federation.config import load_federation_config
-    from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.server import run_server
 
     keep_freed_memory()
@@ -97,7 +97,6 @@ def _server(args: argparse.Namespace) -> int:
 
 def _site(args: argparse.Namespace) -> int:
     from engine.federation.config import load_site_config
-    from engine.federation.flower.memory import keep_freed_memory
     from engine.federation.flower.site import run_site
 
     keep_freed_memory()

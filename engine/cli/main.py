@@ -21,6 +21,10 @@ from typing import Any
 import engine
 from engine import api, catalogue
 from engine.cli.common import add_name_options, set_threads, setup_logging
+from engine.cli.data_commands import add_orientation_option, apply_orientation_option
+from engine.cli.progress import TerminalProgress
+from engine.data.datalist import outside_paths_allowed
+from engine.data.synth import FEDERATION_FILE
 from engine.errors import CancelledError, ConfigError, FedSMError
 
 log = logging.getLogger("engine.cli")
@@ -196,7 +200,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fundus-crop", choices=["none", "auto"], default="none",
                    help="auto: crop full fundus photographs (dark corners) around the optic disc, at training and "
                         "(recorded in the bundle) at inference, so crops and full photos can share a federation")
-    from engine.cli.data_commands import add_orientation_option
 
     add_orientation_option(p)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -232,7 +235,6 @@ def _simulation_data(data: list[Path] | None) -> tuple[str | None, tuple[str, ..
     anything else must hold real datalists, and FedSM never writes into it.
     """
     from engine.data.datalist_builder import find_datalists
-    from engine.data.synth import FEDERATION_FILE
 
     if not data:
         return None, ()
@@ -253,9 +255,6 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "simulate":
         from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
-        from engine.cli.data_commands import apply_orientation_option
-        from engine.cli.progress import TerminalProgress
-        from engine.data.datalist import outside_paths_allowed
 
         apply_orientation_option(args)
         if args.selector_width is None:

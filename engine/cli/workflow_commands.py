@@ -15,7 +15,11 @@ from engine import api
 from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.cli.data_commands import add_allow_outside
 from engine.cli.main import add_threads_option
+from engine.data.datalist import outside_paths_allowed
 from engine.errors import ConfigError
+from engine.io.atomic import write_text_atomic
+from engine.io.label_conventions import CONVENTIONS
+from engine.io.privacy import scrub_absolute_paths
 
 
 def _fractions(text: str) -> tuple[float, ...]:
@@ -31,8 +35,6 @@ def _fractions(text: str) -> tuple[float, ...]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add ``datalist`` and ``evaluate`` to the ``fedsm`` parser."""
-    from engine.io.label_conventions import CONVENTIONS
-
     p = sub.add_parser(
         "datalist", help="build a site's datalist from a folder of images and a folder of masks",
         description="Pair every image with its mask by name (the mask's name is the image's name, optionally "
@@ -76,8 +78,6 @@ def datalist_command(args: argparse.Namespace) -> int:
 def _json_out(path: Path | None, doc: dict) -> None:
     if path is None:
         return
-    from engine.io.atomic import write_text_atomic
-    from engine.io.privacy import scrub_absolute_paths
 
     if path.is_dir():
         raise ConfigError(f"{path}: is a folder; give a file name for the JSON, e.g. {path / 'evaluation.json'}")
@@ -112,7 +112,6 @@ def register_evaluate(sub: argparse._SubParsersAction) -> None:
 
 def evaluate_command(args: argparse.Namespace) -> int:
     """Handler of ``fedsm evaluate``."""
-    from engine.data.datalist import outside_paths_allowed
     from engine.inference.evaluate import format_evaluation
 
     setup_logging(args.verbose)

@@ -61,7 +61,7 @@ def soft_pull(personal: Mapping[str, Mapping[str, torch.Tensor]], lam: float) ->
     }
 
 
-def fedprox_penalty(model: torch.nn.Module, anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
+def proximal_penalty(model: torch.nn.Module, anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx's proximal term ``mu/2 * ||w - w_round||^2`` over the trainable parameters.
 
     Its gradient with respect to each parameter is ``mu * (w - w_round)``.

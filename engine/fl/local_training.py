@@ -40,7 +40,7 @@ from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
 from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import CancelledError, ConfigError
-from engine.fl.aggregation import fedprox_penalty
+from engine.fl.aggregation import proximal_penalty
 from engine.fl.training_options import LR_SCHEDULES, SEGMENTATION_LOSSES, SELECTOR_BN_MODES
 from engine.fl.weights import Weights, clone_weights
 from engine.models import build_segmentation_net, build_selector
@@ -443,7 +443,7 @@ def train_segmentation_round(
         def objective(net: torch.nn.Module, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             loss = loss_fn(net(x), y)
             if anchor is not None:
-                loss = loss + fedprox_penalty(net, anchor, cfg.prox_mu)
+                loss = loss + proximal_penalty(net, anchor, cfg.prox_mu)
             return loss
 
         loss = learner.step(objective, grad_hook)

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
+from engine.fl.setting_bounds import Total
 
 if TYPE_CHECKING:
     from engine.fl.exchange import ExchangeMethod
@@ -71,8 +72,6 @@ def option_bounds(method: str) -> dict[str, Bound]:
 
 def option_totals(method: str) -> list[Total]:
     """Limits on ``method``'s options taken together; each reads the options by their ``[training]`` keys."""
-    from engine.fl.setting_bounds import Total
-
     family = option_family(method)
     module = _declarations(family) if method in EXCHANGE_METHODS else None
     if module is None:

@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from engine.errors import ConfigError
+
 #: Key of a dataclass field's metadata that holds its :class:`Bound`.
 BOUND = "bound"
 #: Kinds of setting a :class:`Bound` describes.
@@ -148,7 +150,6 @@ class Bound:
     def _checked(self, name: str, value: Any) -> str | None:
         if self.check is None:
             return None
-        from engine.errors import ConfigError
 
         try:
             self.check(value)

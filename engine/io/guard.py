@@ -24,6 +24,7 @@ Every reader of :mod:`engine.io` (and the bundle reader) goes through these befo
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import struct
 import warnings
@@ -252,8 +253,6 @@ def _declared_pixel_bytes(prefix: bytes) -> int | None:
     ``None`` when the first bytes do not reach group 0028 or cannot be parsed (the caller then keeps
     the fixed cap).
     """
-    import io
-
     from pydicom.filereader import read_dataset
 
     try:

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from engine.io.study import Study
 
@@ -121,7 +123,6 @@ def neutral_name(study: Study) -> str:
     files = study_files(study)
     if files:
         return content_name(files)
-    import numpy as np
 
     digest = hashlib.sha256(np.ascontiguousarray(study.array).tobytes())
     return NEUTRAL_PREFIX + digest.hexdigest()[:NEUTRAL_DIGITS]

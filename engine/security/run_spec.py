@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError, FedSMError
+from engine.fl.registry import all_option_bounds, all_option_totals
+from engine.io.atomic import write_text_atomic
 
 ENVELOPE_FORMAT = "fedsm-signed-run-spec/2"
 #: Formats of older coordinators: refused with a message that says what to update.
@@ -327,8 +329,6 @@ class RunLedger:
         return value if isinstance(value, int) else None
 
     def record(self, run_id: str, flower_run: int, expires: int, now: float | None = None) -> None:
-        from engine.io.atomic import write_text_atomic
-
         at = time.time() if now is None else now
         runs = self._read()
         runs[run_id] = {"flower_run": int(flower_run), "expires_at": int(expires), "accepted_at": int(at)}
@@ -408,7 +408,6 @@ def bounds_table() -> str:
     test_setting_bounds.py keeps the two equal).
     """
     from engine.fl.method_spec import TOTALS, field_bounds
-    from engine.fl.registry import all_option_bounds, all_option_totals
 
     defaults = {f.name: f.default for f in fields(SiteBounds) if f.name in _FIELDS}
 

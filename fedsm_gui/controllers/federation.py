@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import tempfile
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -99,8 +100,6 @@ _CONSENT_KEYS = {"share_activations": ("site", "share_activations"), "dp_epsilon
 
 
 def _toml_value(literal: str) -> Any:
-    import tomllib
-
     return tomllib.loads(f"v = {literal}")["v"]
 
 
@@ -130,8 +129,6 @@ def update_toml_keys(text: str, values: dict[tuple[str, str], str | None]) -> st
     table that does not exist yet is appended. The result is parsed again and must hold exactly
     the requested values, else :class:`ValueError` (edit the file by hand then).
     """
-    import tomllib
-
     lines = text.splitlines()
     header = re.compile(r"^\s*\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
     pending = dict(values)
@@ -329,8 +326,6 @@ class FederationController:
         (the site refusing every split-learning exchange, or releasing gradients without the
         asked-for noise). Only those keys change; the rest of the file stays as written.
         """
-        import tomllib
-
         path = Path(self.state.setup.config_path)
         if not path.is_file():
             return ""  # nothing to update: the site process names the missing file itself

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import api
 from fedsm_gui.models.signal import Signal
 
 #: Connection states shown in the panel.
@@ -122,8 +123,6 @@ def describe_event(event: dict[str, Any]) -> str | None:
     if kind == "finished":
         return f"federation finished after {event.get('rounds', '?')} rounds"
     if kind == "run_settings":
-        from engine import api
-
         return api.format_run_settings(dict(event.get("settings", {})))
     return f"{kind}: {json.dumps({k: v for k, v in event.items() if k not in ('event', 'time')})}"
 

@@ -7,7 +7,7 @@ from engine.errors import ConfigError, WeightsError
 from engine.fl.aggregation import (
     check_lam,
     fedavg,
-    fedprox_penalty,
+    proximal_penalty,
     scaffold_server_update,
     scaffold_site_control,
     soft_pull,
@@ -87,7 +87,7 @@ def test_fedprox_gradient_is_mu_times_distance():
         net.weight.copy_(torch.tensor([[1.0, 2.0]]))
     anchor = {"weight": torch.tensor([[0.0, 4.0]])}
     # Execute
-    penalty = fedprox_penalty(net, anchor, mu=0.5)
+    penalty = proximal_penalty(net, anchor, mu=0.5)
     penalty.backward()
     # Assert: value mu/2 * (1 + 4) = 1.25, gradient mu * (w - anchor) = (0.5, -1.0)
     assert penalty.item() == pytest.approx(1.25)

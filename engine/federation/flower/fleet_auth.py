@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from engine.federation.flower.asgi import Scope
+from engine.io.atomic import write_bytes_atomic
 
 
 def _spki(pem: bytes) -> bytes | None:
@@ -75,7 +76,5 @@ class HeaderAuth:
 
 def write_keys(path: Path, public_keys: Iterable[bytes]) -> Path:
     """Write the enrolled keys for the SuperLink's fleet listener (public data, written atomically)."""
-    from engine.io.atomic import write_bytes_atomic
-
     write_bytes_atomic(path, b"".join(pem.strip() + b"\n" for pem in public_keys))
     return Path(path)

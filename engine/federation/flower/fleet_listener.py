@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -202,7 +203,6 @@ async def _refuse_unauthenticated(path: str, send: Send) -> None:
     if not path.endswith("/activate-node"):
         await _answer(send, 401, b"Invalid SuperNode authentication\n")
         return
-    import json
 
     from flwr.supercore.error.base import ApiErrorCode, FlowerError
     from flwr.supercore.error.catalog import API_ERROR_MAP

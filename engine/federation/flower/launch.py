@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 import time
+from importlib.metadata import version
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -59,6 +60,7 @@ from engine.federation.flower.fleet_listener import serve
 from engine.federation.flower.local_auth import secret_from_environment
 from engine.federation.flower.memory import freeze_startup_objects, keep_freed_memory
 from engine.federation.flower.request_body import wrap_supernode_runtime_api
+from engine.federation.flower.run_confirmation import DECLINED, ask
 from engine.security.approval import AppNotApproved, app_hash, check_app_approved
 from engine.security.run_spec import RUN_CONFIG_KEY, RunLedger, SiteBounds, verify_envelope
 
@@ -118,8 +120,6 @@ def require_names(module: Any, *names: str) -> None:
     """
     missing = [name for name in names if getattr(module, name, None) is None]
     if missing:
-        from importlib.metadata import version
-
         raise SystemExit(f"this Flower (flwr {version('flwr')}) has no {', '.join(missing)} in "
                          f"{getattr(module, '__name__', module)}, which FedSM replaces; FedSM is tested with "
                          f"{TESTED_FLOWER} (pip install '{TESTED_FLOWER}')")
@@ -229,8 +229,6 @@ def _refuse_spec(policy: dict[str, Any] | None, run_info: Any, fab: bytes, flowe
 def _operator_refusal(folder: Path, flower_run: int, settings: dict[str, Any], site: str,
                       timeout: float) -> str | None:
     """``None`` when the site's operator accepted ``flower_run``; else why its message is refused unpulled."""
-    from engine.federation.flower.run_confirmation import DECLINED, ask
-
     answer = ask(folder, flower_run, settings, timeout)
     if answer:
         return None
