@@ -7,6 +7,13 @@ benchmark compares it with. The simulation and the network spec build methods th
 :func:`build_method`; the CLI help, the bundle's method check, robust aggregation, the report and
 the benchmark read the entries. Adding a method is its class plus one :func:`register` call.
 
+A method can also come from outside the product, as a plugin: an installed distribution whose
+``fedsm.methods`` entry point names a :class:`WeightMethod` (``name = "module:ENTRY"``) is
+registered when this module is imported, in every process (``fedsm simulate``, ``fedsm server``,
+``fedsm site``). Both ends of a federation need the plugin installed; a site without it refuses
+the run as an unknown method. The entry's module should stay light (the entry only names its
+class by ``factory``), since every command imports it.
+
 Importing this module costs no torch (the SuperNode checks a run's method against its site's
 ``[bounds]`` with it); :func:`build_method` imports the method's module when it builds one.
 Dialogue methods (BlackFed, FedIOD: messages other than weights) have their own registry,
@@ -16,11 +23,18 @@ Dialogue methods (BlackFed, FedIOD: messages other than weights) have their own 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import Any
 
 from engine.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Entry-point group of weight methods from other distributions (plugins).
+PLUGIN_GROUP = "fedsm.methods"
 
 #: Bundle routings: a gamma threshold over K sites, an argmax over K+1 models, a single model.
 ROUTINGS = ("gamma", "argmax", "none")
@@ -69,6 +83,8 @@ class WeightMethod:
 
 
 _CATALOGUE: dict[str, WeightMethod] = {}
+#: Plugins that could not be loaded: entry point -> why (named when their method is asked for).
+_PLUGIN_ERRORS: dict[str, str] = {}
 
 
 def register(entry: WeightMethod) -> WeightMethod:
@@ -93,7 +109,35 @@ def method(name: str) -> WeightMethod:
     try:
         return _CATALOGUE[name]
     except KeyError:
-        raise ConfigError(f"unknown method {name!r}; choose from {', '.join(_CATALOGUE)}") from None
+        broken = "".join(f"; plugin {ep} could not be loaded: {why}" for ep, why in _PLUGIN_ERRORS.items())
+        raise ConfigError(f"unknown method {name!r}; choose from {', '.join(_CATALOGUE)}{broken}") from None
+
+
+def load_plugins() -> tuple[str, ...]:
+    """Register the weight methods of installed plugins (:data:`PLUGIN_GROUP`); return their names.
+
+    An entry already registered under the same name by the same plugin is kept (calling this again
+    is harmless). A plugin that fails to import, names something other than a :class:`WeightMethod`
+    or takes a name already taken is skipped with a warning, and named in the error of
+    :func:`method` for an unknown method; the product's own methods always load.
+    """
+    added = []
+    _PLUGIN_ERRORS.clear()  # the errors of this scan: a plugin since removed is no longer reported
+    for ep in entry_points(group=PLUGIN_GROUP):
+        where = f"{ep.name} = {ep.value}"
+        try:
+            entry = ep.load()
+            if not isinstance(entry, WeightMethod):
+                raise ConfigError(f"it names a {type(entry).__name__}, not an engine.catalogue.WeightMethod")
+            if _CATALOGUE.get(entry.name) == entry:
+                continue
+            register(entry)
+        except Exception as exc:  # a broken plugin must not take the product's own methods with it
+            _PLUGIN_ERRORS[where] = str(exc) or type(exc).__name__
+            log.warning("weight-method plugin %s not loaded: %s", where, _PLUGIN_ERRORS[where])
+            continue
+        added.append(entry.name)
+    return tuple(added)
 
 
 def method_names() -> tuple[str, ...]:
@@ -161,3 +205,6 @@ register(WeightMethod("fedsm", "FedSM", "engine.fl.methods.fedsm:FedSM", routing
 register(WeightMethod("fedsm-extra", "FedSM-extra", "engine.fl.methods.fedsm:FedSMExtra", routing="argmax",
                       mean_aggregation=True, per_batch_selector=True, paper_dice={"fundus": 0.8905},
                       compared_with=("fedsm", "fedavg")))
+
+# methods of installed plugins come after the product's own
+load_plugins()

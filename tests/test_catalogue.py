@@ -1,40 +1,33 @@
 """The weight methods' catalogue: the one place a method is named, and a method added from outside the product.
 
-A test-only method (one class and one catalogue entry here, no product file edited) trains through
-``fedsm simulate``'s code path, is titled in the report and written as a single-model bundle.
+A test-only method (one class and one catalogue entry in ``tests/plugins``, a distribution with a
+``fedsm.methods`` entry point; no product file edited) trains through ``fedsm simulate``'s code path,
+is titled in the report and written as a single-model bundle. The same plugin runs through a
+loopback federation of real processes in tests/federation/test_loopback_faults.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import catalogue
 from engine.errors import ConfigError
-from engine.fl.methods import FedAvg, FedProx, FedSM, FedSMExtra, SiteUpdate, WeightSet
+from engine.fl.methods import FedProx, FedSM, FedSMExtra
 
+#: The test-only plugin distribution (its ``fedsm.methods`` entry point names ``test-damped-avg``).
+PLUGINS = Path(__file__).with_name("plugins")
 NAME = "test-damped-avg"
 
 
-class DampedAvg(FedAvg):
-    """FedAvg whose server moves only halfway from the old global model towards the sites' average."""
-
-    name = NAME
-
-    def aggregate(self, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate]) -> WeightSet:
-        new = super().aggregate(state, rnd, updates)
-        new["global"] = {k: 0.5 * state["global"][k] + 0.5 * v if v.is_floating_point() else v
-                         for k, v in new["global"].items()}
-        return new
-
-
 @pytest.fixture
-def damped_avg():
-    entry = catalogue.register(catalogue.WeightMethod(NAME, "Damped FedAvg (test)", f"{__name__}:DampedAvg",
-                                                      compared_with=("fedavg",)))
-    yield entry
+def damped_avg(monkeypatch):
+    """The plugin on this process's path, found and registered as an installed plugin would be."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    assert catalogue.load_plugins() == (NAME,)
+    yield catalogue.method(NAME)
     catalogue.unregister(NAME)
 
 
@@ -103,3 +96,26 @@ def test_importing_the_catalogue_does_not_import_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert done.stdout.strip() == "False"
     assert torch.__version__  # the test process itself has torch; the fresh interpreter above did not load it
+
+
+def test_a_broken_plugin_is_skipped_and_named_when_its_method_is_asked_for(monkeypatch, tmp_path):
+    # Prepare: an installed distribution whose fedsm.methods entry point names something that is not a method
+    info = tmp_path / "broken_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[fedsm.methods]\nbroken = os:sep\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    # Execute
+    added = catalogue.load_plugins()
+
+    # Assert: nothing registered, the product's methods intact, and the error says which plugin and why
+    assert added == () and "fedavg" in catalogue.method_names()
+    with pytest.raises(ConfigError, match=r"plugin broken = os:sep could not be loaded: it names a str"):
+        catalogue.method("broken")
+    # ... until it is gone from the path
+    monkeypatch.undo()
+    catalogue.load_plugins()
+    with pytest.raises(ConfigError) as err:
+        catalogue.method("broken")
+    assert "plugin" not in str(err.value)

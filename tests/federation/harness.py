@@ -26,13 +26,15 @@ ROOT = Path(__file__).resolve().parents[2]
 class Processes:
     """Child processes of a test, stopped by PID at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, python_path: tuple[Path, ...] = ()) -> None:
+        """``python_path``: folders the children import from besides the checkout (e.g. an installed plugin)."""
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.python_path = os.pathsep.join(str(p) for p in (ROOT, *python_path))
 
     def start(self, argv: list[str], log: Path, stdin: bytes | None = None) -> subprocess.Popen[bytes]:
         """Start ``argv`` with its output in ``log``; ``stdin``: what its standard input holds (then its end)."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": self.python_path}
         with log.open("ab") as out:
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)

@@ -286,3 +286,32 @@ def test_client_app_executor_checks_the_app_before_pulling_the_payload(tmp_path)
     assert reply.metadata.reply_to_message_id == "ab" * 32
     errors = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "error"]
     assert errors and f"refused app {app_hash(OTHER_FAB)}" in errors[0]["message"]
+
+
+def test_a_supernode_stuck_in_its_own_exit_is_stopped_and_replaced(tmp_path, monkeypatch):
+    # Flower's SuperNode exits by sending itself SIGINT; when two of its threads give up at once the second
+    # signal interrupts the first one's exit and it hangs (seen after a coordinator restart). Prepare: a
+    # stand-in SuperNode that prints that traceback's last line, then hangs, deaf to SIGINT as the real one
+    from engine.federation.flower import site as site_module
+
+    monkeypatch.setattr(site_module, "EXIT_GRACE_S", 1.0)
+    stuck = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+             "print('KeyboardInterrupt', flush=True); time.sleep(600)")
+    monkeypatch.setattr(site_module.SuperNodeSupervisor, "argv", lambda self: [sys.executable, "-c", stuck])
+    site = fedconfig.load_site_config(write_site_toml(tmp_path, "127.0.0.1:9092"), check_files=False)
+    events: list[dict] = []
+    writer = EventWriter("site", site.name, listener=events.append)
+    supervisor = site_module.SuperNodeSupervisor(site, False, 9998, writer, tmp_path / "sn.log")
+    try:
+        # Execute
+        supervisor.start()
+        first = supervisor.child
+        deadline = time.monotonic() + 30
+        while supervisor.child is first and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # Assert: the stuck one was stopped (by PID, escalating past the SIGINT it ignores) and a new one started
+        assert supervisor.child is not first, "the stuck SuperNode was never replaced"
+        assert first is not None and not first.running()
+        assert any(e["event"] == "disconnected" and e.get("reconnecting") for e in events)
+    finally:
+        supervisor.stop()

@@ -11,7 +11,16 @@ import os
 
 import pytest
 import torch
-from fed_fixtures import FEDAVG_TRAINING, TRAINING, fed_data, fed_data_two, pki, simulated_fedavg  # noqa: F401
+from fed_fixtures import (  # noqa: F401
+    PLUGIN_TRAINING,
+    PLUGINS,
+    TRAINING,
+    fed_data,
+    fed_data_two,
+    pki,
+    plugin_installed,
+    simulated_plugin_method,
+)
 from harness import LoopbackFederation, Processes, fedsm, max_abs_difference, wait_for
 
 from engine.federation.checkpoint import Checkpoint
@@ -24,14 +33,15 @@ RESUMING_SITES = ["site1", "site2"]
 
 @pytest.mark.slow
 def test_killed_coordinator_resumes_to_the_weights_of_an_uninterrupted_run(
-        fed_data_two, pki, simulated_fedavg, tmp_path):  # noqa: F811
-    # Prepare: FedAvg, 3 rounds. Killing and resuming the coordinator does not depend on the method, and FedAvg's
-    # small replies keep this test short; that FedSM's whole state (personalized models, selector and its
-    # optimizer moments) survives a resume is tests/federation/test_server_app.py's resume test, over the wire
-    # format without the network
+        fed_data_two, pki, simulated_plugin_method, plugin_installed, tmp_path):  # noqa: F811
+    # Prepare: 3 rounds of the test-only weight method of tests/plugins, a FedAvg whose coordinator moves halfway,
+    # installed as a plugin in every process (no product file names it). Killing and resuming the coordinator does
+    # not depend on the method, and FedAvg's small replies keep this test short; that FedSM's whole state
+    # (personalized models, selector and its optimizer moments) survives a resume is
+    # tests/federation/test_server_app.py's resume test, over the wire format without the network
     _, datalists = fed_data_two
-    fed = LoopbackFederation(tmp_path, pki, datalists, RESUMING_SITES, FEDAVG_TRAINING)
-    procs = Processes()
+    fed = LoopbackFederation(tmp_path, pki, datalists, RESUMING_SITES, PLUGIN_TRAINING)
+    procs = Processes(python_path=(PLUGINS,))
     try:
         # Execute: kill the coordinator once round 1 is checkpointed, then resume it
         server = fed.start_server(procs)
@@ -45,8 +55,9 @@ def test_killed_coordinator_resumes_to_the_weights_of_an_uninterrupted_run(
         procs.stop_all()
 
     # Assert: the resumed run ends where the simulation (= an uninterrupted run, same seeds) ends
-    assert max_abs_difference(fed.work / "global.safetensors", simulated_fedavg, global_only=True) <= 1e-5
+    assert max_abs_difference(fed.work / "global.safetensors", simulated_plugin_method, global_only=True) <= 1e-5
     events = read_events(fed.server_events)
+    assert f"{PLUGIN_TRAINING['method']}, 3 rounds" in events[0]["message"]  # the plugin's method ran
     assert any(e["event"] == "status" and e["message"] == "resuming after round 1 of 3" for e in events)
     resumed_at = next(i for i, e in enumerate(events) if e.get("message") == "resuming after round 1 of 3")
     assert [e["round"] for e in events[resumed_at:] if e["event"] == "round_end"] == [2, 3]

@@ -61,6 +61,14 @@ log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RESTART_PAUSES = (2.0, 4.0, 8.0, 15.0, 30.0)
+#: Seconds a SuperNode that began to exit on its own may take before it is stopped. Flower's SuperNode
+#: (1.41) exits by sending itself SIGINT when a request fails for good (e.g. 401 once a restarted
+#: coordinator no longer knows the node); when two of its threads give up at once, the second SIGINT
+#: interrupts the first one's exit and the process hangs with its threads alive (seen in the
+#: killed-coordinator test: four minutes, until stopped). The site then stops it itself and reconnects.
+EXIT_GRACE_S = 10.0
+#: SuperNode log lines that mean it has begun to exit.
+_EXITING = ("KeyboardInterrupt", "Exit Code:")
 
 
 def site_bounds(cfg: SiteConfig) -> Any:
@@ -126,6 +134,8 @@ class SuperNodeSupervisor:
         self._stop = threading.Event()
         self._connected = False
         self._last_error = ""
+        #: monotonic time the current SuperNode began to exit on its own (``None``: it has not)
+        self._exiting_since: float | None = None
         self._thread: threading.Thread | None = None
         self._sent = threading.Condition()
         self.sent_count = 0
@@ -148,6 +158,8 @@ class SuperNodeSupervisor:
 
     def _on_line(self, line: str) -> None:
         text = _ANSI.sub("", line)
+        if self._exiting_since is None and any(marker in text for marker in _EXITING):
+            self._exiting_since = time.monotonic()
         if text.startswith(REFUSED_APP):
             # the SuperNode refused a message of an app this site never approved (its payload was not pulled)
             self.events.error(text[len(REFUSED_APP):].strip())
@@ -182,6 +194,7 @@ class SuperNodeSupervisor:
         self._thread.start()
 
     def _start_child(self) -> None:
+        self._exiting_since = None
         self.child = ChildProcess("SuperNode", self.argv(), self.log_path, on_line=self._on_line,
                                   env={"FLWR_HOME": str(self.cfg.work_dir / "flower-home"),
                                        SECRET_ENV: self.local_secret})
@@ -216,6 +229,11 @@ class SuperNodeSupervisor:
                     break
                 self._last_error = ""
                 self._start_child()
+            elif child is not None and self._exiting_since is not None \
+                    and time.monotonic() - self._exiting_since > EXIT_GRACE_S:
+                log.warning("the SuperNode began to exit %.0f s ago and is still running: stopping it",
+                            time.monotonic() - self._exiting_since)
+                child.stop(timeout=2.0)  # the loop above then reconnects with a new one
             elif self._connected:
                 failures = 0
             self._stop.wait(0.5)
