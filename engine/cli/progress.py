@@ -49,8 +49,10 @@ class TerminalProgress:
         elif kind in ("status", "method_start"):
             self._print(event.get("message") or f"{event['method']}: starting")
         elif kind == "error":
+            # a clipped update stays in the round (scaled down); any other error leaves the site out
+            outcome = "clipped" if event.get("clipped") else "left out"
             self._print(f"{event.get('method', '')}: round {event.get('round')}: site {event.get('site')} "
-                        f"left out: {event.get('message')}")
+                        f"{outcome}: {event.get('message')}")
 
     def _draw(self, text: str) -> None:
         self._last_draw = time.monotonic()

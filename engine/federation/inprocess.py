@@ -128,7 +128,7 @@ def run_rounds(
                 def clipped(name: str, message: str, rnd: int = rnd) -> None:
                     if progress:
                         progress({"event": "error", "method": method.name, "round": rnd, "site": name,
-                                  "message": message})
+                                  "message": message, "clipped": True})  # kept in the round, scaled down
 
                 aggregated, refused = aggregate_leaving_out(method, state, rnd, updates, robust, clipped)
                 for name, reason in refused.items():

@@ -353,7 +353,7 @@ class FederationRunner:
                 # an update the method cannot aggregate is left out, never a crash (engine.fl.robust)
                 aggregated, refused = aggregate_leaving_out(
                     self.method, state, rnd, result.updates, self.robust,
-                    lambda site, message: self.events.error(message, site=site, round=rnd))
+                    lambda site, message: self.events.error(message, site=site, round=rnd, clipped=True))
                 for site, reason in refused.items():
                     result.updates.pop(site, None)
                     result.left_out[site] = reason
