@@ -10,11 +10,11 @@ setting (the simulation applies them as a network coordinator does):
 - ``median``: the coordinate-wise median of the global model and the selector.
 
 For each, the client-average test Dice of the method (FedAvg: its global model; FedSM: the routed super
-model), on ``cpu-small``'s fundus task (6 sites of unequal size, 48 px, 6 rounds), seeds 0-2, each seed
-with its own synthetic data.
+model), on a ``cpu-small`` task (6 sites of unequal size; fundus 48 px, 6 rounds; prostate 32 px, 5
+rounds), seeds 0-2, each seed with its own synthetic data.
 
-    python benchmarks/robust_aggregation.py --out runs/robust [--methods fedavg,fedsm] [--seeds 0,1,2]
-        [--rules mean,clip1,clip2,median] [--attacks none,x5,flip]
+    python benchmarks/robust_aggregation.py --out runs/robust [--task fundus|prostate] [--methods fedavg,fedsm]
+        [--seeds 0,1,2] [--rules mean,clip1,clip2,median] [--attacks none,x5,flip]
 
 Writes ``OUT/robust.json`` and ``OUT/robust.md``; runs already in ``OUT`` are reused.
 """
@@ -33,6 +33,8 @@ from engine.bench.tables import mean_and_per_seed
 RULES = {"mean": {"clip": 0.0}, "clip1": {"clip": 1.0}, "clip2": {"clip": 2.0},
          "median": {"aggregation": "median", "clip": 0.0}}
 ATTACKS = {"none": None, "x5": 5.0, "flip": -1.0}
+#: cpu-small's tasks: image size, rounds, slices per volume (engine/bench/presets.py)
+TASKS = {"fundus": (48, 6, None), "prostate": (32, 5, 6)}
 #: Parts a site's answer carries models in (engine.fl.robust.NORM_PARTS without Scaffold's control).
 MODEL_PARTS = ("global", "personal", "selector")
 
@@ -75,9 +77,10 @@ def run_one(method: str, seed: int, rule: str, attack: str, args: argparse.Names
             built = super()._build_method(name)
             return built if factor is None else Attacker(built, args.attacker, factor)
 
-    cfg = SimulationConfig(task="fundus", sites=6, rounds=args.rounds, methods=(method,), image_size=48, seed=seed,
-                           device="cpu", robust=RULES[rule], data_dir=str(args.out / f"data-s{seed}"),
-                           selector_width=args.selector_width)
+    size, rounds, slices = TASKS[args.task]
+    cfg = SimulationConfig(task=args.task, sites=6, rounds=args.rounds or rounds, methods=(method,), image_size=size,
+                           seed=seed, device="cpu", robust=RULES[rule], data_dir=str(args.out / f"data-s{seed}"),
+                           selector_width=args.selector_width, slices=slices)
     started = time.perf_counter()
     sim = AttackedSimulation(cfg, out)
     sim.load_sites()
@@ -118,7 +121,8 @@ def main() -> None:
     parser.add_argument("--rules", default=",".join(RULES))
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--attacker", default="site1")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--task", choices=sorted(TASKS), default="fundus")
+    parser.add_argument("--rounds", type=int, default=0, help="0: cpu-small's (6 fundus, 5 prostate)")
     parser.add_argument("--selector-width", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -133,7 +137,9 @@ def main() -> None:
                for m in methods for s in seeds for r in rules for a in attacks}
     (args.out / "robust.json").write_text(json.dumps({"settings": vars(args) | {"out": str(args.out)},
                                                       "runs": results}, indent=1))
-    text = (f"Robust aggregation, fundus, 6 sites, 48 px, {args.rounds} rounds, attacker {args.attacker}, seeds "
+    size, rounds, _ = TASKS[args.task]
+    text = (f"Robust aggregation, {args.task}, 6 sites, {size} px, {args.rounds or rounds} rounds, attacker "
+            f"{args.attacker}, seeds "
             f"{args.seeds} (mean, then per seed; client-average test Dice)\n\n"
             + table(results, methods, seeds, rules, attacks))
     (args.out / "robust.md").write_text(text + "\n")
