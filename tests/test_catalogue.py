@@ -8,27 +8,21 @@ loopback federation of real processes in tests/federation/test_loopback_faults.p
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from testsupport import PLUGIN_METHOD as NAME
+from testsupport import plugin_installed
 
 from engine import catalogue
 from engine.errors import ConfigError
 from engine.fl.methods import FedProx, FedSM, FedSMExtra
 
-#: The test-only plugin distribution (its ``fedsm.methods`` entry point names ``test-damped-avg``).
-PLUGINS = Path(__file__).with_name("plugins")
-NAME = "test-damped-avg"
-
 
 @pytest.fixture
-def damped_avg(monkeypatch):
+def damped_avg():
     """The plugin on this process's path, found and registered as an installed plugin would be."""
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    assert catalogue.load_plugins() == (NAME,)
-    yield catalogue.method(NAME)
-    catalogue.unregister(NAME)
+    with plugin_installed() as name:
+        yield catalogue.method(name)
 
 
 def test_a_method_registered_from_outside_the_product_trains_reports_and_bundles(damped_avg, tmp_path):

@@ -6,12 +6,34 @@ They live here rather than in ``conftest.py``: with ``tests/gui/conftest.py`` al
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 #: Real public images with expert masks, beside the project (``../shared/data``); absent in a user's clone.
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+#: A test-only weight-method plugin: a distribution whose ``fedsm.methods`` entry point names
+#: ``test-damped-avg`` (a FedAvg whose coordinator moves halfway); no product file names it.
+PLUGINS = Path(__file__).with_name("plugins")
+PLUGIN_METHOD = "test-damped-avg"
+
+
+@contextmanager
+def plugin_installed() -> Iterator[str]:
+    """The plugin of :data:`PLUGINS` installed in this process (on its path, found as an installed plugin
+    is, registered), then removed; yields its method's name. Child processes get it on ``PYTHONPATH``."""
+    from engine import catalogue
+
+    sys.path.insert(0, str(PLUGINS))
+    try:
+        assert catalogue.load_plugins() == (PLUGIN_METHOD,)
+        yield PLUGIN_METHOD
+    finally:
+        catalogue.unregister(PLUGIN_METHOD)
+        sys.path.remove(str(PLUGINS))
 
 
 def random_split(n: int, channels: int = 3, labels: int = 2, size: int = 32, seed: int = 0, shift: float = 0.0):

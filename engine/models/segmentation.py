@@ -54,8 +54,8 @@ def segmentation_net_holding(in_channels: int, out_channels: int,
     Building MONAI's U-Net is ~35 ms of Python (its blocks and their random initialisation);
     loading weights into one already built is ~4 ms, and an evaluation loads a model per site
     and round hundreds of times. So the network is built once per thread and channel pair and
-    reloaded: every parameter and buffer is overwritten (``strict`` loading), and building it
-    never draws from torch's random generator after the first call.
+    reloaded: every parameter and buffer is overwritten (``strict`` loading), and building it draws
+    nothing from the caller's random generator.
 
     The module is shared with the next call in the same thread: use it before that call, do not
     keep it, do not train it.

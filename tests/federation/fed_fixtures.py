@@ -6,10 +6,10 @@ which other test folders import by name).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from testsupport import PLUGIN_METHOD, plugin_installed
 
 #: Federation runs in the end-to-end tests: FedSM, 2 training rounds, 32 px images, on the 2 sites of
 #: :func:`fed_data_two` (tests of a site leaving and returning use the 3 sites of :func:`fed_data`). The selector's
@@ -19,10 +19,8 @@ TRAINING = {"task": "fundus", "method": "fedsm", "rounds": 2, "seed": 0, "image_
 #: The same federation trained with FedAvg for 3 rounds (as many as FedSM's 2 + calibration): tests of the
 #: transport's fault handling, which does not depend on the method, move ~7 MB a reply instead of FedSM's ~125 MB.
 FEDAVG_TRAINING = {**TRAINING, "method": "fedavg", "rounds": 3}
-#: The test-only weight method of tests/plugins (a FedAvg whose coordinator moves halfway), installed as a
-#: plugin: a distribution with a ``fedsm.methods`` entry point, on the path of the test and of its processes.
-PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
-PLUGIN_TRAINING = {**FEDAVG_TRAINING, "method": "test-damped-avg"}
+#: The test-only weight method of tests/plugins (testsupport.plugin_installed), trained like FEDAVG_TRAINING.
+PLUGIN_TRAINING = {**FEDAVG_TRAINING, "method": PLUGIN_METHOD}
 
 
 @pytest.fixture(scope="session")
@@ -70,32 +68,15 @@ def simulated_supermodel(fed_data_two, tmp_path_factory) -> Path:
     return out / "supermodel.safetensors"
 
 
-@pytest.fixture
-def plugin_installed(monkeypatch) -> str:
-    """The plugin of :data:`PLUGINS` installed in this process for one test (its method's name); the children a
-    test starts get it with ``Processes(python_path=(PLUGINS,))``."""
-    from engine import catalogue
-
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    assert catalogue.load_plugins() == (PLUGIN_TRAINING["method"],)
-    yield PLUGIN_TRAINING["method"]
-    catalogue.unregister(PLUGIN_TRAINING["method"])
-
-
 @pytest.fixture(scope="session")
 def simulated_plugin_method(fed_data_two, tmp_path_factory) -> Path:
     """``fedsm simulate`` of the plugin's method with the settings of :data:`PLUGIN_TRAINING` (one model)."""
-    from engine import api, catalogue
+    from engine import api
 
     data_dir, _ = fed_data_two
     out = tmp_path_factory.mktemp("simulated-plugin")
-    sys.path.insert(0, str(PLUGINS))
-    try:
-        assert PLUGIN_TRAINING["method"] in catalogue.load_plugins()
-        api.simulate(out, task="fundus", sites=2, rounds=PLUGIN_TRAINING["rounds"],
-                     methods=(PLUGIN_TRAINING["method"],), image_size=PLUGIN_TRAINING["image_size"],
-                     seed=PLUGIN_TRAINING["seed"], device="cpu", data_dir=str(data_dir), keep_best=False)
-    finally:
-        catalogue.unregister(PLUGIN_TRAINING["method"])
-        sys.path.remove(str(PLUGINS))
+    with plugin_installed() as method:
+        api.simulate(out, task="fundus", sites=2, rounds=PLUGIN_TRAINING["rounds"], methods=(method,),
+                     image_size=PLUGIN_TRAINING["image_size"], seed=PLUGIN_TRAINING["seed"], device="cpu",
+                     data_dir=str(data_dir), keep_best=False)
     return out / f"{PLUGIN_TRAINING['method']}.safetensors"

@@ -13,15 +13,14 @@ import pytest
 import torch
 from fed_fixtures import (  # noqa: F401
     PLUGIN_TRAINING,
-    PLUGINS,
     TRAINING,
     fed_data,
     fed_data_two,
     pki,
-    plugin_installed,
     simulated_plugin_method,
 )
 from harness import LoopbackFederation, Processes, fedsm, max_abs_difference, wait_for
+from testsupport import PLUGINS, plugin_installed
 
 from engine.federation.checkpoint import Checkpoint
 from engine.federation.events import read_events
@@ -31,9 +30,16 @@ SITES = ["site1", "site2", "site3"]
 RESUMING_SITES = ["site1", "site2"]
 
 
+@pytest.fixture
+def plugin_in_this_process():
+    """The plugin installed in the test's own process too: it reads the run's bundle."""
+    with plugin_installed() as name:
+        yield name
+
+
 @pytest.mark.slow
 def test_killed_coordinator_resumes_to_the_weights_of_an_uninterrupted_run(
-        fed_data_two, pki, simulated_plugin_method, plugin_installed, tmp_path):  # noqa: F811
+        fed_data_two, pki, simulated_plugin_method, plugin_in_this_process, tmp_path):  # noqa: F811
     # Prepare: 3 rounds of the test-only weight method of tests/plugins, a FedAvg whose coordinator moves halfway,
     # installed as a plugin in every process (no product file names it). Killing and resuming the coordinator does
     # not depend on the method, and FedAvg's small replies keep this test short; that FedSM's whole state
