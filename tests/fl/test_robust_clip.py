@@ -42,6 +42,25 @@ def test_the_outlier_is_clipped_to_the_median_and_the_rest_untouched(tiny_traini
     assert _change_norm(loose["site5"].weights["global"], state["global"]) == pytest.approx(2 * median, rel=1e-4)
 
 
+def test_a_large_honest_site_is_judged_for_its_size_and_still_clipped_when_it_pushes(tiny_training):
+    # a site with 16x the samples walks ~4x (sqrt) as far: 2.9x the raw median on cpu-small's prostate
+    method = FedAvg(FUNDUS, NAMES, tiny_training, seed=0)
+    state = method.initial_state()
+    counts = [10, 10, 10, 10, 160]
+    honest = _updates(method, state, [1.0, 1.1, 0.9, 1.05, 4.0])
+    honest = {s: SiteUpdate(u.weights, n, {}) for (s, u), n in zip(honest.items(), counts, strict=True)}
+    assert clip_to_median(method, state, honest, 2.0)["site5"] is honest["site5"]  # left alone
+    pushed = _updates(method, state, [1.0, 1.1, 0.9, 1.05, 20.0])  # the same site, x5
+    pushed = {s: SiteUpdate(u.weights, n, {}) for (s, u), n in zip(pushed.items(), counts, strict=True)}
+    reports = []
+    clipped = clip_to_median(method, state, pushed, 2.0, lambda site, message: reports.append((site, message)))
+    norm = {s: _change_norm(u.weights["global"], state["global"]) for s, u in pushed.items()}
+    after = _change_norm(clipped["site5"].weights["global"], state["global"])
+    # held to 2x the median per sqrt(n), times its own sqrt(16) = 4: 8x the small sites' median change
+    assert after == pytest.approx(2 * 4 * sorted(norm.values())[2], rel=1e-4)
+    assert [site for site, _ in reports] == ["site5"] and "for its sample count" in reports[0][1]
+
+
 def test_a_sign_flip_keeps_its_size_and_too_few_sites_are_not_judged(tiny_training):
     method = FedAvg(FUNDUS, NAMES, tiny_training, seed=0)
     state = method.initial_state()
