@@ -25,9 +25,7 @@ from engine import catalogue
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.bundle.split import SplitBundle, save_split_bundle
-from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
 from engine.catalogue import build_method, extra_rounds_default, method_names
-from engine.data.disc_crop import check_mode
 from engine.data.site_data import SplitArrays, load_site
 from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 from engine.errors import ConfigError, FedSMError
@@ -36,21 +34,16 @@ from engine.federation.inprocess import run_exchange_rounds, run_rounds
 from engine.fl.aggregation import check_lam
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.exchange import ExchangeMethod
-from engine.fl.local_training import Device, LocalTrainingConfig
-from engine.fl.method_spec import default_lam
+from engine.fl.local_training import Device
+from engine.fl.method_spec import TrainingSettings, default_lam
 from engine.fl.methods import FedSM, SiteRuntime
 from engine.fl.model_selection import BestRoundKeeper, attach_best_round
-from engine.fl.personalization import check_personalization
 from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
 from engine.fl.robust import RobustSettings
 from engine.fl.routing_choice import CHOICE_PART, choice_summary
-from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
-from engine.fl.selector_schemes import check_calibration, default_selector_lr
-from engine.fl.style_gate import GATE_PART, bundle_site_routing, check_site_routing, gate_metadata
-from engine.fl.wire_precision import check_wire_precision
+from engine.fl.style_gate import GATE_PART, bundle_site_routing, gate_metadata
 from engine.inference.guard import site_validation_from_state
 from engine.inference.predictor import SuperModelPredictor
-from engine.models.style_gate_format import check_quantile
 from engine.report import traffic_summary, write_reports
 from engine.selector_report import SiteImages, selector_report
 from engine.tasks import TaskSpec, get_task
@@ -62,28 +55,18 @@ ProgressFn = Callable[[dict[str, Any]], None]
 REPORT_SCHEMA = "fedsm-simulation-report/1"
 
 
-@dataclass
-class SimulationConfig:
-    """Everything that determines a simulation's result (recorded in the report)."""
+@dataclass(frozen=True)
+class SimulationConfig(TrainingSettings):
+    """Everything that determines a simulation's result (recorded in the report).
+
+    The hyper-parameters, their defaults and bounds are :class:`engine.fl.method_spec.TrainingSettings`'s,
+    the same declaration a network run's signed spec uses; this class adds what only a simulation has
+    (the sites' data, the methods side by side, the device, the coordinator's ``[robust]`` rules).
+    """
 
     task: str = "fundus"
     sites: int = 3
-    rounds: int = 3
     methods: tuple[str, ...] = ("fedavg", "fedsm")
-    image_size: int = 256
-    seed: int = 0
-    lam: float | None = None
-    gamma: float | str = 0.6
-    gamma_pass: float = 0.95
-    epochs: int = 1
-    batch_size: int = 8
-    lr: float = 1e-3
-    selector_lr: float | None = None
-    selector_size: int = 32
-    selector_head: str = "gap"
-    selector_width: int = DEFAULT_SELECTOR_WIDTH
-    prox_mu: float = 0.01
-    extra_rounds: int | None = None
     #: FedIOD (engine.fl.fediod): distillation steps per round, generated images per step,
     #: the teachers' epoch cap and early-stopping patience, and the privacy setting of sites
     #: (noise multiplier, or an epsilon target; clipping norm).
@@ -96,50 +79,25 @@ class SimulationConfig:
     dp_clip: float = 1.0
     device: str = "auto"
     data_dir: str | None = None
-    #: Settings of dialogue methods, ``<family>_<name>`` (e.g. ``blackfed_client_epochs``).
-    options: dict[str, Any] = field(default_factory=dict)
     #: Real site datalists, one per site (``fedsm simulate --data``); when given, ``sites`` is their
     #: count and no synthetic data is made.
     datalists: tuple[str, ...] = ()
-    lr_schedule: str = "constant"
-    lr_min_ratio: float = 0.01
-    loss: str = "dice"
     keep_best: bool = True
-    selector_calibration: str = "none"
-    selector_warmup: int = 0
-    selector_epochs: int = 1
-    selector_bn: str = "batch"
-    routing_guard: bool = True
-    #: Site-style gate quantile (:mod:`engine.fl.style_gate`); ``None``: off.
-    style_gate: float | None = 0.95
-    #: How FedSM bundles pick an image's site: ``"auto"`` (the rule that sends more participating
-    #: validation images to their own site's model, :mod:`engine.fl.routing_choice`), ``"selector"``
-    #: (the paper's) or ``"style"`` (the gate's nearest site, :func:`engine.fl.style_gate.route_by_style`).
-    site_routing: str = "auto"
     holdout_site: str | None = None
     slices: int | None = None
-    #: ``"auto"``: full fundus photographs are cropped around the optic disc at training and (through
-    #: the bundle's ``extra["fundus_crop"]``) at inference; ``"none"``: photos used whole.
-    fundus_crop: str = "none"
-    #: How FedSM trains its personalized models (:mod:`engine.fl.personalization`): ``"softpull"``
-    #: (the paper's), ``"finetune"``, ``"apfl"``, ``"perfedavg"`` or ``"pfedme"``.
-    personalization: str = "softpull"
     #: The coordinator's bounds on the sites' updates, as ``[robust]`` in federation.toml
     #: (:class:`engine.fl.robust.RobustSettings`): the simulation screens and aggregates as a network
     #: coordinator does.
     robust: dict[str, Any] = field(default_factory=dict)
-    #: How networks and optimizer moments travel each round (:mod:`engine.fl.wire_precision`):
-    #: ``"bfloat16"`` (values down, differences up, float32 masters at both ends) or ``"float32"``.
-    wire_precision: str = "bfloat16"
 
     def __post_init__(self) -> None:
         get_task(self.task)
-        check_mode(self.fundus_crop)
-        self.wire_precision = check_wire_precision(self.wire_precision)
+        self._check_training_settings()
         RobustSettings.from_dict(self.robust, "robust")  # checked now, not after the first method trained
         if self.datalists:
-            self.datalists = tuple(str(p) for p in self.datalists)
-            self.sites = len(self.datalists)
+            object.__setattr__(self, "datalists", tuple(str(p) for p in self.datalists))
+            object.__setattr__(self, "sites", len(self.datalists))
+        object.__setattr__(self, "methods", tuple(self.methods))
 
         unknown = [m for m in self.methods if m not in method_names() and m not in EXCHANGE_METHODS]
         if unknown:
@@ -149,36 +107,24 @@ class SimulationConfig:
             raise ConfigError("no methods given; e.g. --methods fedavg,fedsm")
         if self.rounds < 1:
             raise ConfigError(f"--rounds must be >= 1, got {self.rounds}")
-
-        check_calibration(self.selector_calibration)
-        self.gamma = parse_gamma(self.gamma)
-        self.gamma_pass = check_pass_fraction(self.gamma_pass)
-        if self.style_gate is not None:
-            self.style_gate = check_quantile(self.style_gate)
-        self.site_routing = check_site_routing(self.site_routing, self.style_gate)
-        self.personalization = check_personalization(self.personalization)
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
         if self.lam is None:
             # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
-            self.lam = default_lam(self.task, training_sites)  # one rule for simulation and network
+            object.__setattr__(self, "lam", default_lam(self.task, training_sites))  # as a network run's spec
         if {"fedsm", "fedsm-extra"} & set(self.methods):
             check_lam(self.lam, training_sites)
         if self.extra_rounds is None:
-            self.extra_rounds = extra_rounds_default(self.rounds)
+            object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
+        broken = self.training_problems()  # the bounds a site would hold a network run to
+        if broken:
+            raise ConfigError("; ".join(broken))
 
-    def training(self, per_batch_selector: bool = False) -> Any:
-        """Local training settings; ``per_batch_selector`` for methods that keep the per-batch selector
-        (FedSM-extra, the personalization variants), whose default selector lr is the small one."""
-        scheme = "lda" if per_batch_selector else self.selector_calibration
-        return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
-                                   selector_lr=default_selector_lr(scheme, self.selector_lr),
-                                   selector_size=self.selector_size, selector_epochs=self.selector_epochs,
-                                   selector_bn=self.selector_bn,
-                                   selector_head=self.selector_head, selector_width=self.selector_width,
-                                   prox_mu=self.prox_mu, device=self.device,
-                                   lr_schedule=self.lr_schedule, lr_min_ratio=self.lr_min_ratio, loss=self.loss)
+    def training(self, method: str | None = None) -> Any:
+        """Local training settings of ``method`` on this simulation's device (``None``: no method's
+        exception; :meth:`TrainingSettings.local_training`)."""
+        return self.local_training(method, self.device)
 
 
 def prepare_data(cfg: SimulationConfig, out_dir: Path, progress: ProgressFn | None = None) -> list[Path]:
@@ -234,6 +180,9 @@ class Simulation:
         self.task: TaskSpec = get_task(cfg.task)
         #: the coordinator's [robust] bounds, applied as over the network (engine.federation.inprocess)
         self.robust = RobustSettings.from_dict(cfg.robust, "robust")
+        #: SoftPull's lam as FedSM uses it, recorded in the results and bundles (a study may train with
+        #: a lam outside the product's [1/K, 1]: engine.bench.bench_simulation's lam sweep)
+        self.lam_used: float | None = cfg.lam
         self.sites: list[Any] = []
         #: The site left out of training (``holdout_site``), evaluated as unseen; ``None`` without one.
         self.holdout: Any = None
@@ -297,7 +246,7 @@ class Simulation:
 
     # --- methods -------------------------------------------------------------------------
     def _build_method(self, name: str) -> Any:
-        training = self.cfg.training(per_batch_selector=catalogue.method(name).per_batch_selector)
+        training = self.cfg.training(name)
         return build_method(name, self.task, [s.name for s in self.sites], training, self.cfg.seed, self.cfg.rounds,
                             self.cfg)
 
@@ -506,7 +455,7 @@ class Simulation:
             selector_head=self.cfg.selector_head, selector_width=self.cfg.selector_width,
             normalisation=self.task.normalisation,
             site_names=[s.name for s in self.sites], method=method.name,
-            routing="argmax" if extra_method else "gamma", lam=float(self.cfg.lam or 0.0),
+            routing="argmax" if extra_method else "gamma", lam=float(self.lam_used or 0.0),
             personalization=getattr(method, "personalization", "softpull"),
             gamma=float(routing_gamma(state)) if routing_gamma is not None and not extra_method
             else (0.6 if self.cfg.gamma == "auto" else float(self.cfg.gamma)),
@@ -581,7 +530,7 @@ class Simulation:
             **({"selector": self._selector_analysis(predictor)} if method.name == "fedsm" else {}),
             "routing": routing,
             "gamma": float(predictor.metadata.gamma),  # the federation's choice with --gamma auto
-            "lam": self.cfg.lam,
+            "lam": self.lam_used,
             "val_dice": val_dice,
             "components": {"global_only": {"client_average": glob[1], "pooled": glob[2], "per_site": glob[0]},
                            "personal_oracle": {"client_average": oracle[1], "pooled": oracle[2],
@@ -658,7 +607,7 @@ class Simulation:
         report = {
             "schema": REPORT_SCHEMA,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "config": {**asdict(self.cfg), "methods": list(self.cfg.methods)},
+            "config": {**asdict(self.cfg), "methods": list(self.cfg.methods), "lam": self.lam_used},
             "machine": _machine_info(self.cfg.device),
             "task": {"name": self.task.name, "label_names": list(self.task.label_names)},
             "sites": [_site_summary(s) for s in self.sites],

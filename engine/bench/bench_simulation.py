@@ -71,7 +71,7 @@ class BenchSimulation(Simulation):
         self.sites = list(sites)
         self.softpull_lam = None if softpull_lam is None else sweep_lam(softpull_lam)
         if self.softpull_lam is not None:
-            self.cfg.lam = self.softpull_lam  # recorded in the results and the bundle as used
+            self.lam_used = self.softpull_lam  # recorded in the results and the bundle as used
 
     def _build_method(self, name: str) -> Any:
         kind = name.removeprefix("fedsm-")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -113,9 +114,8 @@ def run_fediod_job(ctx: JobContext, key: JobKey) -> dict[str, Any]:
     """Train ``key.method`` and evaluate it (and, for the no-DP FedIOD run, every teacher) with Dice and HD95."""
     preset = ctx.preset
     cfg = ctx.config(key.seed, len(ctx.sites))
-    cfg.fediod_steps = max(1, preset.fediod_steps // max(cfg.rounds, 1))
-    cfg.teacher_epochs = preset.fediod_teacher_epochs
-    cfg.dp_epsilon = eps_of(key.method)
+    cfg = replace(cfg, fediod_steps=max(1, preset.fediod_steps // max(cfg.rounds, 1)),
+                  teacher_epochs=preset.fediod_teacher_epochs, dp_epsilon=eps_of(key.method))
     method = "fediod" if key.method.startswith("fediod") else key.method
 
     runtimes: list[Any] = []

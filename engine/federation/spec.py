@@ -3,9 +3,10 @@
 :class:`MethodSpec` (the part of ``federation.toml`` that decides the numbers a site computes,
 each setting with its hard bounds declared beside it) lives in :mod:`engine.fl.method_spec`, below
 the security layer, so that a site checks a signed spec against its bounds without this package;
-it is re-exported here. :func:`build_method` builds the method a spec describes, as ``fedsm
-simulate`` does (:class:`engine.simulate.SimulationConfig`), so a network run and a simulation
-with the same settings compute the same weights.
+it is re-exported here. :func:`build_method` builds the method a spec describes through the
+catalogue, with the local training of the settings class ``fedsm simulate`` shares
+(:class:`engine.fl.method_spec.TrainingSettings`), so a network run and a simulation with the same
+settings compute the same weights.
 
 The compute device is not part of the spec: each site chooses its own in ``site.toml``.
 """
@@ -16,29 +17,19 @@ from dataclasses import asdict
 from typing import Any
 
 from engine import catalogue
-from engine.fl.method_spec import MethodSpec, effective_selector_lr
+from engine.fl.method_spec import MethodSpec
 from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
 from engine.tasks import get_task
 
 
 def build_method(spec: MethodSpec, device: str = "auto") -> Any:
     """The :class:`engine.fl.methods.FederatedMethod` of ``spec`` (as ``fedsm simulate`` builds it)."""
-    from engine.fl.local_training import LocalTrainingConfig
-
     task = get_task(spec.task)
     names = list(spec.site_names)
     if spec.method in EXCHANGE_METHODS:
         settings = {k: v for k, v in asdict(spec).items() if k != "options"} | dict(spec.options) | {"device": device}
         return build_exchange_method(spec.method, task, names, settings)
-    # FedSM-extra keeps the per-batch selector (and its small lr); FedSM's depends on the calibration
-    training = LocalTrainingConfig(epochs=spec.epochs, batch_size=spec.batch_size, lr=spec.lr,
-                                   selector_lr=effective_selector_lr(spec.method, spec.selector_calibration,
-                                                                     spec.selector_lr),
-                                   selector_size=spec.selector_size, selector_epochs=int(spec.selector_epochs),
-                                   selector_bn=spec.selector_bn,
-                                   selector_head=spec.selector_head, selector_width=spec.selector_width,
-                                   prox_mu=spec.prox_mu, device=device,
-                                   lr_schedule=spec.lr_schedule, lr_min_ratio=spec.lr_min_ratio, loss=spec.loss)
+    training = spec.local_training(spec.method, device)
     return catalogue.build_method(spec.method, task, names, training, spec.seed, spec.rounds, spec)
 
 

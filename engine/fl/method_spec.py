@@ -4,8 +4,10 @@ A :class:`MethodSpec` is the part of ``federation.toml`` that decides the number
 computes. The coordinator signs it (:mod:`engine.security.run_spec`) and sends it (as JSON) in
 every instruction, and each site builds the same :class:`engine.fl.methods.FederatedMethod` from
 it with :func:`engine.federation.spec.build_method`, so both halves of a method agree on site
-order, seeds and hyper-parameters. The defaults and the construction mirror ``fedsm simulate``
-(:class:`engine.simulate.SimulationConfig`), so a network run and a simulation with the same
+order, seeds and hyper-parameters. The hyper-parameters are declared once, in
+:class:`TrainingSettings`, which ``fedsm simulate``'s :class:`engine.simulate.SimulationConfig`
+extends too: the same defaults, bounds and one builder of local training
+(:meth:`TrainingSettings.local_training`), so a network run and a simulation with the same
 settings compute the same weights.
 
 Every field declares its hard bounds beside it (:func:`engine.fl.setting_bounds.bounded`): what
@@ -80,19 +82,16 @@ def network_methods() -> tuple[str, ...]:
     return (*federation_methods(), *EXCHANGE_METHODS)
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """Method, sites and hyper-parameters of one federated run (see ``docs/federation.md``).
+@dataclass(frozen=True, kw_only=True)
+class TrainingSettings:
+    """The hyper-parameters a run computes with, declared once for ``fedsm simulate``
+    (:class:`engine.simulate.SimulationConfig`) and the network federation (:class:`MethodSpec`).
 
-    Each field's hard bounds are declared beside it; ``site.toml`` ``[bounds]`` tightens them
-    (``max_<field>``, ``min_<field>``, ``allowed_<field>s``; docs/federation.md lists every key).
+    Each field's hard bounds are declared beside it and hold in both (a simulation refuses what a site
+    would); ``site.toml`` ``[bounds]`` tightens them for a network run (``max_<field>``,
+    ``min_<field>``, ``allowed_<field>s``; docs/federation.md lists every key).
     """
 
-    method: str = bounded(bound=one_of(network_methods, site_key="allowed_methods",
-                                       help="the federated method"))
-    task: str = bounded(bound=one_of(tuple(TASKS), help="what is segmented"))
-    site_names: tuple[str, ...] = bounded(bound=names(1, 1000, site_key="max_sites", check=check_site_name,
-                                                      help="the sites, in the selector's label order"))
     rounds: int = bounded(3, integer(1, MAX_ROUNDS, help="training rounds"))
     seed: int = bounded(0, integer(0, 2**32 - 1, help="training seed"))
     image_size: int = bounded(256, integer(16, 4096, help="image side in pixels"))
@@ -149,19 +148,9 @@ class MethodSpec:
     #: declared with the method's settings (engine.fl.registry.EXCHANGE_OPTIONS); unknown ones are refused.
     options: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if self.method not in network_methods():
-            raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
-                              f"{', '.join(network_methods())}")
-        get_task(self.task)
-        names_ = tuple(self.site_names)
-        if not names_:
-            raise ConfigError("a federation needs at least one site; list them in [federation] sites")
-        for name in names_:
-            check_site_name(name)
-        if len(set(names_)) != len(names_):
-            raise ConfigError(f"site names must be unique, got {list(names_)}")
-        object.__setattr__(self, "site_names", names_)
+
+    def _check_training_settings(self) -> None:
+        """Parse and check the fields that have a vocabulary of their own (gamma, gate, schemes)."""
         check_calibration(self.selector_calibration)
         from engine.fl.selector_gamma import check_pass_fraction, parse_gamma
 
@@ -175,7 +164,66 @@ class MethodSpec:
         from engine.fl.personalization import check_personalization
 
         check_personalization(self.personalization)
-        check_wire_precision(self.wire_precision)
+        object.__setattr__(self, "wire_precision", check_wire_precision(self.wire_precision))
+        if isinstance(self.options, Mapping):
+            object.__setattr__(self, "options", dict(self.options))
+
+    def training_problems(self) -> list[str]:
+        """What breaks a declared bound among these settings (no site's ``[bounds]``; :func:`settings_problems`
+        checks a whole signed spec with them)."""
+        declared = {k: v for k, v in bounds_of(TrainingSettings).items() if k not in EXEMPT}
+        values = {name: getattr(self, name) for name in declared}
+        _resolve_defaults(values)
+        out: list[str] = []
+        for name, bound in declared.items():
+            out += _check(name, values[name], bound, lambda key: None)
+        return out
+
+    def local_training(self, method: str | None, device: str) -> Any:
+        """The :class:`engine.fl.local_training.LocalTrainingConfig` that ``method`` trains with on ``device``.
+
+        The one place the settings become local training: FedSM-extra (a method whose catalogue entry
+        keeps the per-batch selector) trains the selector at that scheme's small default lr, every
+        other method at its calibration's (``method=None``: no method's exception).
+        """
+        from engine.fl.local_training import LocalTrainingConfig  # torch: a SuperNode checks specs without it
+
+        return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                                   selector_lr=effective_selector_lr(method, self.selector_calibration,
+                                                                     self.selector_lr),
+                                   selector_size=self.selector_size, selector_epochs=int(self.selector_epochs),
+                                   selector_bn=self.selector_bn, selector_head=self.selector_head,
+                                   selector_width=self.selector_width, prox_mu=self.prox_mu, device=device,
+                                   lr_schedule=self.lr_schedule, lr_min_ratio=self.lr_min_ratio, loss=self.loss)
+
+
+@dataclass(frozen=True)
+class MethodSpec(TrainingSettings):
+    """Method, sites and hyper-parameters of one federated run (see ``docs/federation.md``).
+
+    The hyper-parameters are :class:`TrainingSettings`'s, with the bounds declared there; the spec adds
+    what only a network run names: the method, the task and the sites in label order.
+    """
+
+    method: str = bounded(bound=one_of(network_methods, site_key="allowed_methods",
+                                       help="the federated method"))
+    task: str = bounded(bound=one_of(tuple(TASKS), help="what is segmented"))
+    site_names: tuple[str, ...] = bounded(bound=names(1, 1000, site_key="max_sites", check=check_site_name,
+                                                      help="the sites, in the selector's label order"))
+    def __post_init__(self) -> None:
+        if self.method not in network_methods():
+            raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "
+                              f"{', '.join(network_methods())}")
+        get_task(self.task)
+        names_ = tuple(self.site_names)
+        if not names_:
+            raise ConfigError("a federation needs at least one site; list them in [federation] sites")
+        for name in names_:
+            check_site_name(name)
+        if len(set(names_)) != len(names_):
+            raise ConfigError(f"site names must be unique, got {list(names_)}")
+        object.__setattr__(self, "site_names", names_)
+        self._check_training_settings()
         if self.personalization != "softpull" and self.method != "fedsm":
             raise ConfigError(f"personalization = {self.personalization!r} is a FedSM setting; use method = "
                               f"\"fedsm\" or drop it (method {self.method!r} trains no personalized models that way)")
@@ -184,8 +232,6 @@ class MethodSpec:
             object.__setattr__(self, "lam", default_lam(self.task, len(names_)))
         if self.extra_rounds is None and isinstance(self.rounds, int):
             object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
-        if isinstance(self.options, Mapping):
-            object.__setattr__(self, "options", dict(self.options))
         # every declared bound at once (the rest of each setting's range and type; the options' own)
         broken = settings_problems(self.as_dict())
         if broken:
@@ -251,9 +297,9 @@ def default_lam(task: str, num_sites: int) -> float:
     return max(DEFAULT_LAM[task], 1.0 / max(num_sites, 1))
 
 
-def effective_selector_lr(method: str, selector_calibration: str, selector_lr: float | None) -> float:
+def effective_selector_lr(method: str | None, selector_calibration: str, selector_lr: float | None) -> float:
     """The selector's learning rate a run trains with (FedSM-extra keeps the per-batch scheme's)."""
-    per_batch = method in federation_methods() and catalogue.method(method).per_batch_selector
+    per_batch = method in catalogue.method_names() and catalogue.method(method).per_batch_selector
     return default_selector_lr("lda" if per_batch else selector_calibration, selector_lr)
 
 
@@ -403,6 +449,7 @@ __all__ = [
     "TOTALS",
     "MethodSpec",
     "SiteKey",
+    "TrainingSettings",
     "default_lam",
     "effective_selector_lr",
     "field_bounds",

@@ -73,7 +73,7 @@ def test_bench_simulation_trains_softpull_with_lam_below_one_over_k(tmp_path):
                            device="cpu")
     sim = BenchSimulation(cfg, tmp_path, sites, softpull_lam=0.1)
     method = sim._build_method("fedsm")
-    assert method.lam == 0.1 and sim.cfg.lam == 0.1  # used by SoftPull and recorded as used
+    assert method.lam == 0.1 and sim.lam_used == 0.1  # used by SoftPull and recorded as used
     # SoftPull with lam 0.1 < 1/3: s0 <- 0.1 * s0 + 0.45 * (s1 + s2)
     from engine.fl.methods import SiteUpdate
 
