@@ -25,7 +25,7 @@ from engine import catalogue
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
 from engine.bundle.split import SplitBundle, save_split_bundle
-from engine.catalogue import build_method, extra_rounds_default, method_names
+from engine.catalogue import build_method, method_names
 from engine.data.site_data import SplitArrays, load_site
 from engine.data.synth import DEFAULT_SLICES, existing_federation, generate_federation
 from engine.errors import ConfigError, FedSMError
@@ -35,7 +35,7 @@ from engine.fl.aggregation import check_lam
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.exchange import ExchangeMethod
 from engine.fl.local_training import Device
-from engine.fl.method_spec import TrainingSettings, default_lam
+from engine.fl.method_spec import TrainingSettings
 from engine.fl.methods import FedSM, SiteRuntime
 from engine.fl.model_selection import BestRoundKeeper, attach_best_round
 from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
@@ -110,13 +110,9 @@ class SimulationConfig(TrainingSettings):
         training_sites = self.sites - (1 if self.holdout_site else 0)
         if training_sites < 1:
             raise ConfigError("--holdout-site leaves no site to train on; use --sites 2 or more")
-        if self.lam is None:
-            # the paper's best lam, raised to 1/K when K is small (SoftPull needs lam >= 1/K)
-            object.__setattr__(self, "lam", default_lam(self.task, training_sites))  # as a network run's spec
+        self._resolve_run_defaults(self.task, training_sites)  # as a network run's spec does
         if {"fedsm", "fedsm-extra"} & set(self.methods):
             check_lam(self.lam, training_sites)
-        if self.extra_rounds is None:
-            object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
         broken = self.training_problems()  # the bounds a site would hold a network run to
         if broken:
             raise ConfigError("; ".join(broken))

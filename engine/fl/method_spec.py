@@ -168,6 +168,14 @@ class TrainingSettings:
         if isinstance(self.options, Mapping):
             object.__setattr__(self, "options", dict(self.options))
 
+    def _resolve_run_defaults(self, task: str, num_sites: int) -> None:
+        """The values a null ``lam`` and ``extra_rounds`` stand for, resolved once for the run: the paper's lam
+        for ``task`` raised to ``1/num_sites`` (SoftPull needs lam >= 1/K), half the rounds rounded up."""
+        if self.lam is None:
+            object.__setattr__(self, "lam", default_lam(task, num_sites))
+        if self.extra_rounds is None and isinstance(self.rounds, int):
+            object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
+
     def training_problems(self) -> list[str]:
         """What breaks a declared bound among these settings (no site's ``[bounds]``; :func:`settings_problems`
         checks a whole signed spec with them)."""
@@ -227,11 +235,7 @@ class MethodSpec(TrainingSettings):
         if self.personalization != "softpull" and self.method != "fedsm":
             raise ConfigError(f"personalization = {self.personalization!r} is a FedSM setting; use method = "
                               f"\"fedsm\" or drop it (method {self.method!r} trains no personalized models that way)")
-        # the same defaults as `fedsm simulate`: the paper's lam, raised to 1/K for few sites
-        if self.lam is None:
-            object.__setattr__(self, "lam", default_lam(self.task, len(names_)))
-        if self.extra_rounds is None and isinstance(self.rounds, int):
-            object.__setattr__(self, "extra_rounds", extra_rounds_default(self.rounds))
+        self._resolve_run_defaults(self.task, len(names_))
         # every declared bound at once (the rest of each setting's range and type; the options' own)
         broken = settings_problems(self.as_dict())
         if broken:
