@@ -454,7 +454,7 @@ class Simulation:
             routing="argmax" if extra_method else "gamma", lam=float(self.lam_used or 0.0),
             personalization=getattr(method, "personalization", "softpull"),
             gamma=float(routing_gamma(state)) if routing_gamma is not None and not extra_method
-            else (0.6 if self.cfg.gamma == "auto" else float(self.cfg.gamma)),
+            else self.cfg.fixed_gamma,
             rounds=method.total_rounds, val_dice=val_dice,
             site_validation=site_validation_from_state(state, [s.name for s in self.sites]) if guarded else {},
             routing_guard=bool(self.cfg.routing_guard) and guarded,

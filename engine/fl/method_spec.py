@@ -168,6 +168,14 @@ class TrainingSettings:
         if isinstance(self.options, Mapping):
             object.__setattr__(self, "options", dict(self.options))
 
+    @property
+    def fixed_gamma(self) -> float:
+        """The routing threshold as a number: ``gamma``, or for ``"auto"`` the fallback the run starts from
+        (:data:`engine.fl.selector_gamma.AUTO_GAMMA_FALLBACK`) until the federation chooses one."""
+        from engine.fl.selector_gamma import AUTO_GAMMA_FALLBACK
+
+        return AUTO_GAMMA_FALLBACK if self.gamma == "auto" else float(self.gamma)
+
     def _resolve_run_defaults(self, task: str, num_sites: int) -> None:
         """The values a null ``lam`` and ``extra_rounds`` stand for, resolved once for the run: the paper's lam
         for ``task`` raised to ``1/num_sites`` (SoftPull needs lam >= 1/K), half the rounds rounded up."""

@@ -180,8 +180,8 @@ def write_results(cfg: FederationConfig, method: Any, state: dict[str, Any], his
             normalisation=task.normalisation, site_names=list(spec.site_names), method=spec.method,
             routing="argmax" if spec.method == "fedsm-extra" else "gamma", lam=float(spec.lam or 0.0),
             personalization=spec.personalization,
-            gamma=float(method.routing_gamma(state)) if spec.method == "fedsm" else 0.6 if spec.gamma == "auto"
-            else float(spec.gamma), rounds=method.total_rounds,
+            gamma=float(method.routing_gamma(state)) if spec.method == "fedsm" else spec.fixed_gamma,
+            rounds=method.total_rounds,
             val_dice=bundle_val_dice(spec.method, list(spec.site_names), site_dice),
             site_validation=site_validation_from_state(state, spec.site_names) if spec.method == "fedsm" else {},
             routing_guard=bool(spec.routing_guard) and spec.method == "fedsm",

@@ -181,9 +181,9 @@ class FedSM(FederatedMethod):
     @classmethod
     def from_settings(cls, task: TaskSpec, site_names: list[str], training: LocalTrainingConfig, seed: int,
                       rounds: int, settings: Any) -> FedSM:
-        auto = settings.gamma == "auto"  # the federation chooses gamma; 0.6 only labels the fallback
+        auto = settings.gamma == "auto"  # the federation chooses gamma; fixed_gamma is only the fallback
         return cls(task, site_names, training, seed, rounds, lam=float(settings.lam or 0),
-                   gamma=0.6 if auto else float(settings.gamma), selector_calibration=settings.selector_calibration,
+                   gamma=settings.fixed_gamma, selector_calibration=settings.selector_calibration,
                    selector_warmup=int(settings.selector_warmup), gamma_pass=settings.gamma_pass if auto else None,
                    style_gate=settings.style_gate, site_routing=settings.site_routing,
                    personalization=settings.personalization)
@@ -644,8 +644,7 @@ class FedSMExtra(FedSM):
                       rounds: int, settings: Any) -> FedSMExtra:
         # argmax routing: gamma is not used
         return cls(task, site_names, training, seed, rounds, lam=float(settings.lam or 0),
-                   gamma=0.6 if settings.gamma == "auto" else float(settings.gamma),
-                   extra_rounds=int(settings.extra_rounds or 1))
+                   gamma=settings.fixed_gamma, extra_rounds=int(settings.extra_rounds or 1))
 
     @property
     def num_selector_classes(self) -> int:
