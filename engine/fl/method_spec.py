@@ -75,6 +75,9 @@ SITE_ROUTING_CHOICES = ("auto", "selector", "style")
 MAX_ROUNDS = 10_000
 #: Most passes over a site's data any network may train per round.
 MAX_EPOCHS = 1000
+#: The threshold a run with ``gamma = "auto"`` starts from and falls back to until the federation has
+#: chosen one (the paper's 0.6; FedSM-extra's argmax routing uses no gamma, its bundle records this).
+AUTO_GAMMA_FALLBACK = 0.6
 
 
 def network_methods() -> tuple[str, ...]:
@@ -171,9 +174,7 @@ class TrainingSettings:
     @property
     def fixed_gamma(self) -> float:
         """The routing threshold as a number: ``gamma``, or for ``"auto"`` the fallback the run starts from
-        (:data:`engine.fl.selector_gamma.AUTO_GAMMA_FALLBACK`) until the federation chooses one."""
-        from engine.fl.selector_gamma import AUTO_GAMMA_FALLBACK
-
+        (:data:`AUTO_GAMMA_FALLBACK`) until the federation chooses one."""
         return AUTO_GAMMA_FALLBACK if self.gamma == "auto" else float(self.gamma)
 
     def _resolve_run_defaults(self, task: str, num_sites: int) -> None:

@@ -39,9 +39,6 @@ from engine.fl.weights import Weights, all_finite
 GAMMA_BINS = 100
 #: Fraction of participating sites' validation images that must pass the chosen gamma by default.
 DEFAULT_PASS_FRACTION = 0.95
-#: The threshold a run with ``gamma = "auto"`` starts from and falls back to until the federation has
-#: chosen one (the paper's 0.6; FedSM-extra's argmax routing uses no gamma, its bundle records this).
-AUTO_GAMMA_FALLBACK = 0.6
 #: Keys of a site's statistics in its calibration-round update: the histogram, and the count of
 #: validation images the selector assigns to another site.
 HISTOGRAM_KEY = "counts"
