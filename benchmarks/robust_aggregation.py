@@ -94,9 +94,9 @@ def run_one(method: str, seed: int, rule: str, attack: str, args: argparse.Names
 
 def table(results: dict[str, dict[str, float]], methods: list[str], seeds: list[int], rules: list[str],
           attacks: list[str]) -> str:
-    lines = ["| method | rule | " + " | ".join(f"{a} Dice" for a in attacks)
-             + (" | " + " | ".join(f"{a} − honest" for a in attacks if a != "none") if "none" in attacks else "")
-             + " |", "|---|---|" + "---|" * (len(attacks) + (len(attacks) - 1 if "none" in attacks else 0))]
+    compared = [a for a in attacks if a != "none"] if "none" in attacks else []
+    headers = [f"{a} Dice" for a in attacks] + [f"{a} − honest" for a in compared]
+    lines = ["| method | rule | " + " | ".join(headers) + " |", "|---|---|" + "---|" * len(headers)]
     for method in methods:
         for rule in rules:
             def dice(attack: str, method: str = method, rule: str = rule) -> list[float]:

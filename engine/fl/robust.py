@@ -77,9 +77,10 @@ NORM_PARTS = ("global", "personal", "selector", "control_delta")
 STEP_PARTS = ("global", "personal", "selector")
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
          "aggregation", "trim", "max_reply_mb", "clip"}
-#: Default ``clip``: each part's change at most this many times the round's median change norm (0: off).
-#: 2: honest sites are left alone (cpu-small fundus, 3 seeds: the same Dice as no clipping), a site
-#: pushing x5 weighs like two (docs/results.md, "Robust aggregation").
+#: Default ``clip``: each part's change at most this many times the round's median change norm (per
+#: sqrt(sample count) for the trained parts; 0: off). 2: honest sites are left alone (cpu-small fundus
+#: and prostate, 3 seeds: the same Dice as no clipping), a site pushing x5 is held to about twice its
+#: honest change (docs/results.md, "Robust aggregation").
 CLIP_TO_MEDIAN = 2.0
 
 
