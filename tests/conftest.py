@@ -77,24 +77,25 @@ SESSION_LIMIT_S = 45 * 60
 
 
 def pytest_configure(config):
-    """In the controlling process (not in pytest-xdist's workers): start the session's watchdog, and
-    byte-compile the project once.
+    """In the controlling process (not in pytest-xdist's workers): start the session's watchdog, and let
+    every process of the session cache the bytecode it compiles.
 
-    The suite starts ~150 Python processes (sites, coordinators, CLI runs). Where
-    ``PYTHONDONTWRITEBYTECODE`` is set, as on CI's machines, none of them caches what it compiles, so
-    each one compiled the engine's sources again (~0.8 CPU-s a process); compiled once here, they all
-    load the cached bytecode. Installed packages are compiled by pip already.
+    The suite starts ~150 Python processes (sites, coordinators, CLI runs) that import torch, MONAI and
+    Flower. Where ``PYTHONDONTWRITEBYTECODE`` is set, as on CI's machines, none of them would cache what
+    it compiles, so each one compiled the engine's sources again (~0.8 CPU-s a process), and every
+    dependency pip did not compile. The test command installs with ``pip install --no-compile`` (pip's
+    serial compile of every installed file took ~45 s of the install; the suite imports a fraction of
+    them): the session's first import of a module writes its ``__pycache__`` entry and every later
+    process loads it. Set here, before pytest-xdist starts its workers, so they and every process they
+    start inherit it. Only caches are written (``__pycache__``, ignored by git).
     """
-    import compileall
     import faulthandler
     import sys
-    from pathlib import Path
 
     if not hasattr(config, "workerinput"):
         faulthandler.dump_traceback_later(SESSION_LIMIT_S, exit=True, file=sys.__stderr__)
-        root = Path(__file__).resolve().parents[1]
-        for package in ("engine", "fedsm_gui"):
-            compileall.compile_dir(root / package, quiet=1)
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+        sys.dont_write_bytecode = False
 
 
 def pytest_unconfigure(config):
