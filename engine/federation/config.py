@@ -275,6 +275,10 @@ def load_federation_config(path: Path) -> FederationConfig:
         spec = MethodSpec.from_dict({**training, "site_names": tuple(sites)})
     except ConfigError as exc:
         raise ConfigError(f"{path} [training]: {exc}") from None
+    superlink_port = _port(_get(fed, "superlink_port", int, where, 0), "superlink_port", where)
+    if superlink_port and superlink_port == port:
+        raise ConfigError(f"{where}: superlink_port = {superlink_port} is the port of address; the SuperLink's "
+                          "loopback port and the sites' port must differ (0: any free port)")
     return FederationConfig(
         path=path, spec=spec, host=host, port=port, work_dir=work_dir, tls=tls_files,
         min_sites=min_sites,
@@ -282,7 +286,7 @@ def load_federation_config(path: Path) -> FederationConfig:
         start_timeout=_positive(float(_get(fed, "start_timeout", (int, float), where, 600.0)), "start_timeout", where),
         round_attempts=round_attempts,
         poll_interval=_positive(float(_get(fed, "poll_interval", (int, float), where, 0.2)), "poll_interval", where),
-        superlink_port=_port(_get(fed, "superlink_port", int, where, 0), "superlink_port", where),
+        superlink_port=superlink_port,
         name=_get(fed, "name", str, where, "fedsm"),
         rejoin_wait=_positive(float(_get(fed, "rejoin_wait", (int, float), where, 0.0)), "rejoin_wait", where,
                               allow_zero=True),

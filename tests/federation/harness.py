@@ -96,7 +96,7 @@ class LoopbackFederation:
         from engine.security.enrollment import enroll_site
 
         self.root = root
-        self.port = free_port()
+        self.port = free_port(avoid={int((federation or {}).get("superlink_port", 0))})
         self.sites = sites
         root.mkdir(parents=True, exist_ok=True)
         fed = {"sites": sites, "address": f"127.0.0.1:{self.port}", "work_dir": "coord", "min_sites": len(sites),

@@ -52,6 +52,7 @@ def test_federation_config_defaults_and_paths(tmp_path):
     (('sites = ["site1", "site2", "site3"]', 'sites = ["site1", "site 2"]'), "is not allowed"),
     (("rounds = 2", "rounds = 2\nlearning_rate = 3"), "unknown training setting(s) ['learning_rate']"),
     (("min_sites = 2", "min_sites = 2\nport = 1"), "unknown key(s) ['port'] in [federation]"),
+    (("min_sites = 2", "min_sites = 2\nsuperlink_port = 9092"), "superlink_port = 9092 is the port of address"),
 ])
 def test_federation_config_errors_name_the_problem(tmp_path, change, message):
     path = write(tmp_path / "federation.toml", FEDERATION.replace(*change))

@@ -185,7 +185,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def test_serve_answers_everything_on_loopback_only_fleet_calls_outside_and_stops_on_sigterm(tmp_path):
-    local, public = free_port(), free_port()
+    local = free_port()
+    public = free_port(avoid={local})
     proc = _start_serve(tmp_path, local, public)
     try:
         deadline = time.monotonic() + 60

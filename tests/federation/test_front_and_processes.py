@@ -77,3 +77,30 @@ def test_capped_sleep(monkeypatch):
     capped.sleep(0.01)
     assert asked == [0.05, 0.01]
     assert capped.monotonic() > 0 and capped.perf_counter is time.perf_counter  # the rest is the real time module
+
+
+def test_free_port_never_hands_out_a_port_it_was_told_to_avoid(monkeypatch):
+    # the system may hand a just-released port out again: the coordinator's Fleet port (chosen, not yet
+    # bound) once came back as its SuperLink's loopback port, and the SuperLink died at start
+    from engine.federation.flower import processes
+
+    handed = iter([40001, 40001, 40002])
+
+    class Socket:
+        def __init__(self, *args):
+            self.port = next(handed)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(processes.socket, "socket", Socket)
+    assert processes.free_port(avoid={40001}) == 40002

@@ -97,7 +97,9 @@ def test_a_local_process_without_the_secret_gets_nothing(tmp_path, pki):  # noqa
     from flwr.supercore.constant import TaskType
     from flwr.supercore.fab import Fab
 
-    link_port, fleet_port, node_port = free_port(), free_port(), free_port()
+    link_port = free_port()
+    fleet_port = free_port(avoid={link_port})
+    node_port = free_port(avoid={link_port, fleet_port})
     link_secret, node_secret = local_auth.new_secret(), local_auth.new_secret()
     site_key = (pki / "site1.pub.pem").read_bytes()
     tls = ["--ssl-ca-certfile", str(pki / "ca.pem"), "--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile",

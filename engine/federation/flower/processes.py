@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from engine.errors import FedSMError
@@ -47,11 +47,20 @@ def child_environment(extra: dict[str, str] | None = None, base: dict[str, str] 
     return {**clean, **FLOWER_ENV, **(extra or {})}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A TCP port on ``host`` that nothing listens on right now, and not one of ``avoid``.
+
+    ``avoid``: ports already chosen but not yet listened on (the coordinator's Fleet port while it picks
+    its SuperLink's loopback port): the system may hand a just-released port out again, and two
+    listeners on one port end the SuperLink at start (seen in CI: "address already in use").
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in avoid:
+            return port
+    raise OSError(f"no free TCP port on {host} outside {sorted(avoid)}")
 
 
 def launcher_argv(component: str, flower_args: list[str], poll_interval: float | None = None,

@@ -265,7 +265,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
     method = build_method(cfg.spec)
     events.status(f"coordinator for {len(cfg.sites)} sites, {cfg.spec.method}, {round_banner(method)}; "
                   f"app {app.hash}")
-    port = cfg.superlink_port or free_port()
+    port = cfg.superlink_port or free_port(avoid={cfg.port})  # the Fleet port is not bound yet
     address = f"127.0.0.1:{port}"
     secret = new_secret()  # the SuperLink's loopback API answers only this process (local_auth)
     fleet_keys = write_keys(cfg.work_dir / "flower-home" / "fleet-keys.pem", keys.values())
