@@ -87,7 +87,7 @@ def pytest_configure(config):
     one core (~45 s of the install, ~12,000 files), while the suite imports ~5,000 of them. Here,
     before pytest-xdist starts its workers, the environment they and their processes inherit lets the
     first import of a module cache its bytecode for every later process. Measured from clean clones:
-    install 64 s instead of 110-125 s; compiling every installed file here instead, on both cores,
+    install 64-74 s instead of 110-125 s; compiling every installed file here instead, on both cores,
     took 48 s more in all. Only caches are written (``__pycache__``, ignored by git).
     """
     import faulthandler

@@ -68,19 +68,29 @@ def fedsm(*args: str) -> list[str]:
 
 
 def wait_for(path: Path, predicate: Callable[[dict[str, Any]], bool], timeout: float,
-             alive: list[subprocess.Popen[bytes]] = (), poll: float = 0.2) -> dict[str, Any]:
-    """The first event in ``path`` that satisfies ``predicate``; fail after ``timeout`` or if a process died.
+             alive: list[Any] = (), poll: float = 0.2) -> dict[str, Any]:
+    """The first event in ``path`` that satisfies ``predicate``; fail after ``timeout`` or as soon as one of
+    ``alive`` (processes, or a :class:`CoordinatorThread`) has ended without it.
 
     ``poll``: seconds between looks (short where a test must act while something is under way).
     """
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def matching() -> dict[str, Any] | None:
         if path.exists():
             for event in read_events(path):
                 if predicate(event):
                     return event
+        return None
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        event = matching()
+        if event is not None:
+            return event
         for proc in alive:
             if proc.poll() is not None:
+                event = matching()  # written just before it ended
+                if event is not None:
+                    return event
                 raise AssertionError(f"{proc.args} exited with {proc.returncode} while waiting for an event in {path}")
         time.sleep(poll)
     raise AssertionError(f"no matching event in {path} within {timeout} s; last events: "
@@ -225,6 +235,16 @@ class CoordinatorThread:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    # as a process for wait_for: a coordinator that ended (e.g. its SuperLink could not start) ends the wait
+    args = "the coordinator (run_server in a thread)"
+
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() or not self._thread.ident else 0
+
+    @property
+    def returncode(self) -> str:
+        return f"outcome {self.outcome!r}"
 
     def stop(self, timeout: float = 60) -> None:
         """Ask the coordinator to stop and wait for it."""

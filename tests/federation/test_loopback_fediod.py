@@ -43,7 +43,7 @@ def test_fediod_over_secure_loopback_matches_the_simulation(fed_data, pki, tmp_p
         # Execute
         server.start()
         sites = [fed.start_site(procs, s) for s in SITES]
-        wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, sites)
+        wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, [server, *sites])
         server.join(timeout=420)
         assert not server.is_alive(), "the federation did not finish within 420 s"
         assert "error" not in outcome, outcome.get("error")

@@ -65,7 +65,7 @@ def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp
         # Execute
         server.start()
         sites = [fed.start_site(procs, s) for s in SITES]
-        wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, sites)
+        wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, [server, *sites])
         check_sites_address_serves_only_the_fleet_api(fed.port, superlink_port, pki)
         # the red-team's attack during the run: 1,000 anonymous connections, each announcing a 64 KiB body
         slow = hold_slow_anonymous_connections(fed.port, pki / "ca.pem", 1000)
