@@ -170,7 +170,9 @@ def build_method(name: str, task: Any, site_names: list[str], training: Any, see
     """Build ``name`` for a run: its class's ``from_settings`` with the run's settings.
 
     ``training`` is the run's :class:`engine.fl.local_training.LocalTrainingConfig`, made by the
-    caller with the entry's :attr:`WeightMethod.per_batch_selector`.
+    caller with :meth:`engine.fl.method_spec.TrainingSettings.local_training` (which reads the entry's
+    :attr:`WeightMethod.per_batch_selector`); ``settings`` is the run's ``TrainingSettings`` (a
+    simulation's config or a network run's spec), from which the class reads its own options.
     """
     entry = method(name)
     module, _, attr = entry.factory.partition(":")
