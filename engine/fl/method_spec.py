@@ -151,7 +151,6 @@ class TrainingSettings:
     #: declared with the method's settings (engine.fl.registry.EXCHANGE_OPTIONS); unknown ones are refused.
     options: dict[str, Any] = field(default_factory=dict)
 
-
     def _check_training_settings(self) -> None:
         """Parse and check the fields that have a vocabulary of their own (gamma, gate, schemes)."""
         check_calibration(self.selector_calibration)
@@ -189,11 +188,9 @@ class TrainingSettings:
         """What breaks a declared bound among these settings (no site's ``[bounds]``; :func:`settings_problems`
         checks a whole signed spec with them)."""
         declared = {k: v for k, v in bounds_of(TrainingSettings).items() if k not in EXEMPT}
-        values = {name: getattr(self, name) for name in declared}
-        _resolve_defaults(values)
         out: list[str] = []
-        for name, bound in declared.items():
-            out += _check(name, values[name], bound, lambda key: None)
+        for name, bound in declared.items():  # null settings that stand for a default are nullable
+            out += _check(name, getattr(self, name), bound, lambda key: None)
         return out
 
     def local_training(self, method: str | None, device: str) -> Any:
@@ -227,6 +224,7 @@ class MethodSpec(TrainingSettings):
     task: str = bounded(bound=one_of(tuple(TASKS), help="what is segmented"))
     site_names: tuple[str, ...] = bounded(bound=names(1, 1000, site_key="max_sites", check=check_site_name,
                                                       help="the sites, in the selector's label order"))
+
     def __post_init__(self) -> None:
         if self.method not in network_methods():
             raise ConfigError(f"method {self.method!r} cannot run over the network; choose one of "

@@ -314,16 +314,17 @@ def clip_to_median(method: FederatedMethod, state: WeightSet, updates: Mapping[s
         return dict(updates)
     references = {site: method.expected_update_shapes(state, site) for site in updates}
     out = dict(updates)
+    root_n = {site: math.sqrt(max(u.num_samples, 1)) for site, u in updates.items()}
     for part in NORM_PARTS:
-        size = {site: math.sqrt(max(u.num_samples, 1)) if part in STEP_PARTS else 1.0 for site, u in updates.items()}
-        norms = {site: _change_norm(u.weights[part], references[site][part]) / size[site]
+        per_size = part in STEP_PARTS
+        norms = {site: _change_norm(u.weights[part], references[site][part]) / (root_n[site] if per_size else 1.0)
                  for site, u in updates.items() if part in u.weights and part in references[site]}
         if len(norms) < 3:
             continue
         bound = factor * statistics.median(norms.values())
         for site, norm in norms.items():
             if norm > bound and norm > 0:
-                per = " for its sample count" if part in STEP_PARTS else ""
+                per = " for its sample count" if per_size else ""
                 message = (f"the {part} update from {site} changes the model {norm / bound * factor:.3g} times as "
                            f"much as the round's median site{per}; clipped to {factor:g} x the median "
                            "([robust] clip)")
