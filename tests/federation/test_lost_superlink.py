@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import httpx
 
 from engine.errors import FedSMError
+from engine.federation.flower.coordinator_grid import GIVE_UP_AFTER_S, PromptHttpGrid
 from engine.federation.flower.server import lost_superlink
-from engine.federation.flower.transfer import GIVE_UP_AFTER_S, PromptHttpGrid
 
 
 def test_the_grid_stops_retrying_once_the_superlink_process_died():

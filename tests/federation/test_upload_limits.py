@@ -242,7 +242,7 @@ def test_a_reply_refused_whole_is_given_up_by_the_message_it_answers():
     from flwr.proto.runtime_pb2 import PullAppMessagesResponse
     from flwr.supercore.run import Run
 
-    from engine.federation.flower.transfer import PromptHttpGrid
+    from engine.federation.flower.coordinator_grid import PromptHttpGrid
     from engine.federation.flower.upload_limits import REFUSED_REPLY, RefusedReplies
 
     counter = ReplyBytes(max_reply_bytes=10**9, max_reply_objects=1)

@@ -47,6 +47,7 @@ from engine.federation.config import FederationConfig, is_loopback
 from engine.federation.events import EventWriter
 from engine.federation.flower.app_bundle import build_app_bundle
 from engine.federation.flower.control import ControlClient
+from engine.federation.flower.coordinator_grid import PromptHttpGrid
 from engine.federation.flower.dialogue import DialogueRunner, dialogue_reply_limit
 from engine.federation.flower.final_evaluation import bundle_val_dice
 from engine.federation.flower.fleet_auth import write_keys
@@ -60,7 +61,6 @@ from engine.federation.flower.server_app import (
     SelfNamedSites,
     build_server_app,
 )
-from engine.federation.flower.transfer import PromptHttpGrid
 from engine.federation.flower.upload_limits import RefusedReplies, reply_limit_for
 from engine.federation.preflight import check_port_free, round_banner
 from engine.federation.spec import MethodSpec, build_method
