@@ -7,7 +7,9 @@ setting (the simulation applies them as a network coordinator does):
 
 - ``mean``: the method's own weighted mean (no clipping);
 - ``clip1``, ``clip2``: each part's change clipped to 1× / 2× the round's median change norm, then the mean;
-- ``median``: the coordinate-wise median of the global model and the selector.
+- ``median``: the coordinate-wise median of the global model and the selector;
+- ``default``: the product's defaults: clip2, and a site whose change of a shared model points against the
+  others' (cosine with their coordinate-wise median below ``min_cosine``) left out of the round.
 
 For each, the client-average test Dice of the method (FedAvg: its global model; FedSM: the routed super
 model), on a ``cpu-small`` task (6 sites of unequal size; fundus 48 px, 6 rounds; prostate 32 px, 5
@@ -30,8 +32,11 @@ from typing import Any
 
 from engine.bench.tables import mean_and_per_seed
 
-RULES = {"mean": {"clip": 0.0}, "clip1": {"clip": 1.0}, "clip2": {"clip": 2.0},
-         "median": {"aggregation": "median", "clip": 0.0}}
+#: ``min_cosine = -1`` turns the direction check off, so each norm rule is measured alone; ``default`` is the
+#: product's ``[robust]`` defaults (clip 2 and the direction check, engine.fl.robust).
+RULES = {"mean": {"clip": 0.0, "min_cosine": -1.0}, "clip1": {"clip": 1.0, "min_cosine": -1.0},
+         "clip2": {"clip": 2.0, "min_cosine": -1.0},
+         "median": {"aggregation": "median", "clip": 0.0, "min_cosine": -1.0}, "default": {}}
 ATTACKS = {"none": None, "x5": 5.0, "flip": -1.0}
 #: cpu-small's tasks: image size, rounds, slices per volume (engine/bench/presets.py)
 TASKS = {"fundus": (48, 6, None), "prostate": (32, 5, 6)}

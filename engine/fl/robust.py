@@ -37,6 +37,14 @@ screens every decoded, shape-checked update (:func:`screen_update`):
   honest change norms grow as ``n^0.5`` to ``n^0.85``; compared raw, the largest site of six
   was read as 2.9x the median and clipped every round, docs/results.md).
 
+- **Direction against the others** (``min_cosine``, :func:`opposed_sites`). Clipping bounds how far
+  a site moves the average, not where to: a large site that flips the sign of its change every round
+  (37 % of FedAvg's weight on cpu-small fundus) cost -0.25 Dice under every norm rule. Each round,
+  for the parts every site averages into one shared model (:data:`SHARED_PARTS`), each site's change
+  is compared with the coordinate-wise median of the *other* sites' changes; a site whose cosine with
+  it is below ``min_cosine`` is left out of the round with an ``error`` event. The others' median is
+  a consensus one attacker cannot carry when at least four sites answer; with fewer there is no check.
+
 Optionally ``aggregation = "median"`` or ``"trimmed_mean"`` (with ``trim``, the fraction cut at
 each end, default 0.2) replaces the weighted mean of the parts that FedAvg, FedProx and FedSM's
 training rounds average (``global``, ``selector``) by the coordinate-wise median or trimmed
@@ -75,13 +83,22 @@ NORM_PARTS = ("global", "personal", "selector", "control_delta")
 #: per ``sqrt(num_samples)`` by :func:`clip_to_median`. Scaffold's control change is an average gradient
 #: and does not grow with the data (measured: flat across site sizes), so it is compared as it is.
 STEP_PARTS = ("global", "personal", "selector")
+#: Parts every site averages into one shared model, whose direction :func:`opposed_sites` compares. A
+#: personalized model is its site's own, and Scaffold's control change corrects each site's own drift: both
+#: legitimately point their own way.
+SHARED_PARTS = ("global", "selector")
+#: Fewest answering sites for the direction check: three others, so that one site cannot carry their median.
+MIN_SITES_FOR_DIRECTION = 4
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
-         "aggregation", "trim", "max_reply_mb", "clip"}
+         "aggregation", "trim", "max_reply_mb", "clip", "min_cosine"}
 #: Default ``clip``: each part's change at most this many times the round's median change norm (per
 #: sqrt(sample count) for the trained parts; 0: off). 2: honest sites are left alone (cpu-small fundus
 #: and prostate, 3 seeds: the same Dice as no clipping), a site pushing x5 is held to about twice its
 #: honest change (docs/results.md, "Robust aggregation").
 CLIP_TO_MEDIAN = 2.0
+#: Default ``min_cosine``: a site whose change of a shared model has a cosine below this with the other sites'
+#: coordinate-wise median change is left out of the round (-1: off). See docs/results.md, "Robust aggregation".
+MIN_COSINE = -0.07
 
 
 class UpdateRejected(WeightsError):
@@ -101,6 +118,8 @@ class RobustSettings:
     trim: float = 0.2
     #: each model part's change clipped to this many times the round's median change norm (0: off)
     clip: float = CLIP_TO_MEDIAN
+    #: a site whose shared-model change has a lower cosine with the others' median change is left out (-1: off)
+    min_cosine: float = MIN_COSINE
     #: largest reply a site may upload, MiB (0: twice the method's largest legitimate reply, at least 128 MiB)
     max_reply_mb: float = 0.0
 
@@ -135,12 +154,15 @@ class RobustSettings:
         trim = number("trim", 0.2, 0.0)
         if trim >= 0.5:
             raise ConfigError(f"{where}: trim = {trim} must be below 0.5 (the fraction cut at each end)")
+        min_cosine = number("min_cosine", MIN_COSINE, -1.0)
+        if min_cosine > 1:
+            raise ConfigError(f"{where}: min_cosine = {min_cosine} must be a cosine, between -1 (off) and 1")
         return cls(max_relative_update=number("max_relative_update", MAX_RELATIVE_UPDATE, 1e-12),
                    norm_action=action, num_examples=dict(declared),
                    num_examples_growth=number("num_examples_growth", 1.0, 1.0),
                    max_num_examples=number("max_num_examples", MAX_NUM_EXAMPLES, 1, integer=True),
                    aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0),
-                   clip=number("clip", CLIP_TO_MEDIAN, 0.0))
+                   clip=number("clip", CLIP_TO_MEDIAN, 0.0), min_cosine=min_cosine)
 
 
 def _norm(weights: Mapping[str, torch.Tensor]) -> float:
@@ -264,18 +286,23 @@ def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, u
     """Aggregate ``updates``; an update the method cannot aggregate is left out instead of ending the run.
 
     Returns the new state (``None`` when no update could be aggregated) and a reason per site
-    left out. The order of ``updates`` is kept (sums in configured site order). ``report(site,
-    message)`` is told of every update clipped to the round's median (``settings.clip``).
+    left out: a site whose shared-model change points against the others' (``settings.min_cosine``,
+    :func:`opposed_sites`) or whose update the method cannot aggregate. The order of ``updates`` is
+    kept (sums in configured site order). ``report(site, message)`` is told of every update clipped
+    to the round's median (``settings.clip``).
     """
+    left_out: dict[str, str] = {}
+    if settings is not None and settings.min_cosine > -1:
+        left_out = opposed_sites(method, state, updates, settings.min_cosine)
+        updates = {site: u for site, u in updates.items() if site not in left_out}
     if settings is not None and settings.clip > 0:
         updates = clip_to_median(method, state, updates, settings.clip, report)  # once, among all of them
     try:
-        return _aggregate(method, state, rnd, updates, settings), {}
+        return _aggregate(method, state, rnd, updates, settings), left_out
     except CancelledError:
         raise
     except Exception as exc:  # one malformed answer must never end the coordinator
         log.warning("round %d: aggregation failed (%s: %s); checking each update alone", rnd, type(exc).__name__, exc)
-    left_out: dict[str, str] = {}
     for site, update in updates.items():
         try:
             _aggregate(method, state, rnd, {site: update}, settings)
@@ -295,6 +322,76 @@ def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, u
         for site in kept:
             left_out[site] = f"update rejected: the updates of round {rnd} cannot be aggregated together ({exc})"
         return None, left_out
+
+
+def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[str, SiteUpdate],
+                  min_cosine: float) -> dict[str, str]:
+    """Sites whose change of a shared part (:data:`SHARED_PARTS`) points against the other sites', with the reason.
+
+    Each site's change (its part minus what it was sent) is compared with the coordinate-wise median
+    of the other sites' changes of that part (:func:`direction_cosines`); a cosine below ``min_cosine``
+    marks it. Needs :data:`MIN_SITES_FOR_DIRECTION` sites sending the part (three others, so that one
+    site cannot carry their median), and a method whose shared parts are the sites' plain weighted mean
+    (the catalogue's ``mean_aggregation``): Scaffold's control variates turn each site's change its own
+    way (honest cosines down to -0.80 on cpu-small), so it is not judged by direction.
+    """
+    if min_cosine <= -1 or len(updates) < MIN_SITES_FOR_DIRECTION or method.name not in mean_aggregation_methods():
+        return {}
+    reasons: dict[str, str] = {}
+    for part, cosines in direction_cosines(method, state, updates).items():
+        for site, cosine in cosines.items():
+            if cosine < min_cosine and site not in reasons:
+                reasons[site] = (f"update rejected: the {part} update from {site} points against the other sites' "
+                                 f"(cosine {cosine:.3f} with the coordinate-wise median of their changes, "
+                                 f"below [robust] min_cosine = {min_cosine:g})")
+                log.info("%s", reasons[site])
+    return reasons
+
+
+def direction_cosines(method: FederatedMethod, state: WeightSet,
+                      updates: Mapping[str, SiteUpdate]) -> dict[str, dict[str, float]]:
+    """``{part: {site: cosine}}``: each site's change of a shared part against the others' coordinate-wise median.
+
+    The median leaves the site itself out: with it in, the median takes the site's own value in a
+    share of the coordinates, which lifts every site's cosine (cpu-small fundus: honest sites >= 0.25,
+    and a flipped large site near 0 instead of negative). All sites' leave-one-out medians come from
+    one sort per tensor (:func:`_leave_one_out_medians`), in float32, the lower middle value for an even
+    count of others. A site that did not change the part, or a zero median, gives 1.0 (nothing to oppose).
+    """
+    references = {site: method.expected_update_shapes(state, site) for site in updates}
+    out: dict[str, dict[str, float]] = {}
+    for part in SHARED_PARTS:
+        sites = [site for site, u in updates.items() if part in u.weights and part in references[site]]
+        if len(sites) < MIN_SITES_FOR_DIRECTION:
+            continue
+        dots, own, median_sq = ([0.0] * len(sites) for _ in range(3))
+        for key, ref in references[sites[0]][part].items():
+            if not ref.dtype.is_floating_point:
+                continue
+            changes = torch.stack([(updates[site].weights[part][key].detach().float()
+                                    - references[site][part][key].detach().float()).flatten() for site in sites])
+            for i, median in enumerate(_leave_one_out_medians(changes)):
+                change, median = changes[i].double(), median.double()
+                dots[i] += float(change @ median)
+                own[i] += float(change @ change)
+                median_sq[i] += float(median @ median)
+        out[part] = {site: dots[i] / math.sqrt(own[i] * median_sq[i]) if own[i] > 0 and median_sq[i] > 0 else 1.0
+                     for i, site in enumerate(sites)}
+    return out
+
+
+def _leave_one_out_medians(rows: torch.Tensor) -> list[torch.Tensor]:
+    """For each row of ``rows`` (K, n), the coordinate-wise lower median of the other K - 1 rows.
+
+    Sorted once: with the others' median at position ``j = (K - 2) // 2`` of their own order, a row
+    whose rank in a coordinate is above ``j`` leaves ``sorted[j]`` as the median there, else ``sorted[j + 1]``.
+    """
+    k = rows.shape[0]
+    ordered, order = torch.sort(rows, dim=0)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(0, order, torch.arange(k).unsqueeze(1).expand_as(order))
+    j = (k - 2) // 2
+    return [torch.where(ranks[i] > j, ordered[j], ordered[j + 1]) for i in range(k)]
 
 
 def clip_to_median(method: FederatedMethod, state: WeightSet, updates: Mapping[str, SiteUpdate],

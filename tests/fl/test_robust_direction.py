@@ -1,0 +1,108 @@
+"""A site whose change of a shared model points against the other sites' is left out of the round
+(engine.fl.robust.opposed_sites, ``[robust] min_cosine``: its cosine with the sites' coordinate-wise
+median change), in the simulation as over the network."""
+
+import pytest
+import torch
+from test_robust_clip import _sites
+
+from engine.federation.inprocess import run_rounds
+from engine.fl.methods import FedAvg, SiteUpdate
+from engine.fl.robust import RobustSettings, aggregate_leaving_out, opposed_sites
+from engine.tasks import FUNDUS
+
+NAMES = [f"site{k + 1}" for k in range(5)]
+
+
+def _updates(state, signs, counts=(10, 10, 10, 10, 10), shared=1.0):
+    """Each site's change: a direction all sites share (``shared`` of it) plus its own noise of the same size."""
+    generator = torch.Generator().manual_seed(0)
+    common = {k: torch.randn(v.shape, generator=generator) * 1e-3 for k, v in state["global"].items()
+              if v.dtype.is_floating_point}
+    out = {}
+    for site, sign, count in zip(NAMES, signs, counts, strict=True):
+        weights = {}
+        for k, v in state["global"].items():
+            if k in common:
+                own = torch.randn(v.shape, generator=generator) * 1e-3
+                weights[k] = v + sign * (shared * common[k] + own)
+            else:
+                weights[k] = v
+        out[site] = SiteUpdate({"global": weights}, count, {})
+    return out
+
+
+def test_a_large_site_that_flips_its_change_is_left_out_and_the_others_are_kept(tiny_training):
+    method = FedAvg(FUNDUS, NAMES, tiny_training, seed=0)
+    state = method.initial_state()
+    # site5 holds most of the data (FedAvg gives it 60 % of the weight) and sends its change reversed
+    updates = _updates(state, [1, 1, 1, 1, -1], counts=(10, 10, 10, 10, 60))
+    reasons = opposed_sites(method, state, updates, RobustSettings().min_cosine)
+    assert list(reasons) == ["site5"]
+    assert "points against the other sites'" in reasons["site5"] and "min_cosine = -0.07" in reasons["site5"]
+    cosine = float(reasons["site5"].split("(cosine ")[1].split(" ")[0])
+    # -1/sqrt(2) against a pure consensus; the median keeps some of the noise: about -0.6
+    assert -0.75 < cosine < -0.5
+
+    # the round goes on without it: the same model as the honest four alone, the reason returned
+    aggregated, left_out = aggregate_leaving_out(method, state, 1, updates, RobustSettings())
+    honest = {s: u for s, u in updates.items() if s != "site5"}
+    expected, none_left_out = aggregate_leaving_out(method, state, 1, honest, RobustSettings())
+    assert left_out == reasons and none_left_out == {}
+    assert all(torch.equal(aggregated["global"][k], expected["global"][k]) for k in expected["global"])
+
+
+def test_honest_sites_that_barely_agree_are_kept_and_the_check_needs_four_sites(tiny_training):
+    method = FedAvg(FUNDUS, NAMES, tiny_training, seed=0)
+    state = method.initial_state()
+    # changes that are mostly each site's own (a shared part of 0.2 of the noise): cosines near +0.1, none opposed
+    weak = _updates(state, [1, 1, 1, 1, 1], shared=0.2)
+    assert opposed_sites(method, state, weak, -0.07) == {}
+    flipped = _updates(state, [1, 1, 1, 1, -1])
+    assert opposed_sites(method, state, flipped, -1.0) == {}  # -1: off
+    three = {s: flipped[s] for s in ("site1", "site2", "site5")}
+    assert opposed_sites(method, state, three, -0.07) == {}  # three sites: each is a third of the median
+    assert RobustSettings().min_cosine == -0.07
+    with pytest.raises(Exception, match="min_cosine"):
+        RobustSettings.from_dict({"min_cosine": 1.5})
+
+
+class SyntheticChanges:
+    """Wraps a method: each site answers with :func:`_updates`' change for it (a shared direction, its own noise,
+    ``signs``), made from the model it was sent instead of by training. (Local Adam steps on the tests' tiny
+    random sites are too noisy to share a direction: their honest cosines are ~0.005.)"""
+
+    def __init__(self, method, signs):
+        self._method, self._signs = method, signs
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+    def train_at_site(self, instructions, site, progress=None, cancel=None):
+        return _updates({"global": instructions.weights["global"]}, self._signs)[site.name]
+
+
+def test_the_simulation_leaves_a_flipping_site_out_as_the_coordinator_does(tiny_training):
+    flipping = SyntheticChanges(FedAvg(FUNDUS, NAMES, tiny_training, seed=2), [1, 1, 1, 1, -1])
+    initial = flipping.initial_state()
+    off, off_records = run_rounds(flipping, _sites(), 1, robust=RobustSettings(min_cosine=-1.0))
+    guarded, records = run_rounds(flipping, _sites(), 1, robust=RobustSettings())
+    assert off_records[0].answered == NAMES
+    assert records[0].answered == NAMES[:4] and "min_cosine" in records[0].failed["site5"]
+    honest = {s: u for s, u in _updates(initial, [1, 1, 1, 1, -1]).items() if s != "site5"}
+    expected, _ = aggregate_leaving_out(flipping, initial, 1, honest, RobustSettings())
+    # the changes travel as 16-bit differences (wire_precision): equal to their rounding (~4e-6 of 1e-3 steps)
+    worst = {k: float((guarded["global"][k] - expected["global"][k]).abs().max()) for k in expected["global"]}
+    assert max(worst.values()) < 2e-5, max(worst.values())
+    flipped_in = max(float((off["global"][k] - expected["global"][k]).abs().max()) for k in expected["global"])
+    assert flipped_in > 1e-4  # kept, the flipped site moves the model by far more than the rounding
+
+
+def test_each_sites_median_of_the_others_comes_from_one_sort():
+    from engine.fl.robust import _leave_one_out_medians
+
+    for k in (4, 5, 6, 7):
+        rows = torch.randn(k, 1000, generator=torch.Generator().manual_seed(k))
+        for i, median in enumerate(_leave_one_out_medians(rows)):
+            others = torch.cat([rows[:i], rows[i + 1:]])
+            assert torch.equal(median, others.sort(dim=0).values[(k - 2) // 2])  # the lower middle value
