@@ -2,7 +2,8 @@
 
 One site (``--attacker``, default site1) answers every round with its honest change times ×5 (inside
 ``max_relative_update = 10``) or times −1 (a sign flip), on every model part it sends (global,
-personalized, selector). The coordinator screens and aggregates with each candidate ``[robust]``
+personalized, selector); ``absent``: it answers nothing (the run without its data, which is where
+leaving an attacker out ends). The coordinator screens and aggregates with each candidate ``[robust]``
 setting (the simulation applies them as a network coordinator does):
 
 - ``mean``: the method's own weighted mean (no clipping);
@@ -16,7 +17,7 @@ model), on a ``cpu-small`` task (6 sites of unequal size; fundus 48 px, 6 rounds
 rounds), seeds 0-2, each seed with its own synthetic data.
 
     python benchmarks/robust_aggregation.py --out runs/robust [--task fundus|prostate] [--methods fedavg,fedsm]
-        [--seeds 0,1,2] [--rules mean,clip1,clip2,median] [--attacks none,x5,flip]
+        [--seeds 0,1,2] [--rules mean,clip1,clip2,median,default] [--attacks none,x5,flip,absent]
 
 Writes ``OUT/robust.json`` and ``OUT/robust.md``; runs already in ``OUT`` are reused.
 """
@@ -37,7 +38,9 @@ from engine.bench.tables import mean_and_per_seed
 RULES = {"mean": {"clip": 0.0, "min_cosine": -1.0}, "clip1": {"clip": 1.0, "min_cosine": -1.0},
          "clip2": {"clip": 2.0, "min_cosine": -1.0},
          "median": {"aggregation": "median", "clip": 0.0, "min_cosine": -1.0}, "default": {}}
-ATTACKS = {"none": None, "x5": 5.0, "flip": -1.0}
+#: ``absent``: the attacker's site answers nothing in any round (the run without its data: the best that leaving
+#: an attacker out can reach).
+ATTACKS = {"none": None, "x5": 5.0, "flip": -1.0, "absent": 0.0}
 #: cpu-small's tasks: image size, rounds, slices per volume (engine/bench/presets.py)
 TASKS = {"fundus": (48, 6, None), "prostate": (32, 5, 6)}
 #: Parts a site's answer carries models in (engine.fl.robust.NORM_PARTS without Scaffold's control).
@@ -56,6 +59,10 @@ class Attacker:
     def train_at_site(self, instructions: Any, site: Any, progress: Any = None, cancel: Any = None) -> Any:
         from engine.fl.methods import SiteUpdate
 
+        if site.name == self._site and self._factor == 0.0:
+            from engine.errors import FedSMError
+
+            raise FedSMError(f"{site.name} is absent in this run")
         update = self._method.train_at_site(instructions, site, progress, cancel)
         if site.name != self._site:
             return update
