@@ -240,3 +240,50 @@ def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path
     # clipped to 2x the round's median change per sqrt(sample count), the x5 site moves the model at most about
     # twice as far as its honest change would: 1.84x here (unclipped, clip = 0: 4.4x)
     assert moved < 2.0 * honest_moved, (moved, honest_moved)
+
+
+def _flipped(reply):
+    """An answer on the wire with every model difference it sends reversed (the same norm: inside every norm bound)."""
+    content = reply.content
+    site, rnd = content["fedsm"]["site"], content["fedsm"]["round"]
+    update = records.decode_update(content, site, rnd)
+    models = {p: {k: -v if v.dtype.is_floating_point else v for k, v in w.items()} for p, w in update.weights.items()}
+    reply.content = records.encode_update(SiteUpdate(models, update.num_samples, update.metrics), site=site, rnd=rnd)
+    return reply
+
+
+@pytest.mark.slow
+def test_a_site_that_reverses_its_update_is_left_out_by_default(datalists, tmp_path):
+    from engine.fl.robust import aggregate_leaving_out
+
+    # Prepare: FedAvg over the five sites of this module, round 1 through the coordinator's round loop; site5
+    # reverses every difference it sends (a sign flip keeps the norm, so the clip and max_relative_update pass it)
+    spec = MethodSpec(method="fedavg", task="fundus", site_names=SITES5, rounds=1, image_size=32, batch_size=4)
+
+    def run(tamper):
+        events: list[dict] = []
+        workers = workers_for(datalists, tmp_path / str(len(list(tmp_path.iterdir()))))
+        name = {node: w.cfg.name for node, w in workers.items()}
+        grid = FakeGrid(workers, tamper=lambda node, r: tamper(r) if name[node] == "site5" else r)
+        method = build_method(spec, "cpu")
+        return _first_round(method, spec, workers, grid, events, tmp_path, 60.0), events, grid, method
+
+    # Execute
+    _, honest_events, _, _ = run(lambda r: r)
+    attacked, events, grid, method = run(_flipped)
+
+    # Assert: honest, every site is kept; reversed, site5 is left out with the cosine named, and the round goes on
+    assert next(e for e in honest_events if e["event"] == "round_end")["answered"] == list(SITES5)
+    assert not any("min_cosine" in e.get("message", "") for e in honest_events)
+    end = next(e for e in events if e["event"] == "round_end")
+    assert end["answered"] == list(SITES5[:4])
+    assert "points against the other sites'" in end["left_out"]["site5"]
+    assert any(e["event"] == "error" and e.get("site") == "site5" and "min_cosine" in e["message"] for e in events)
+    # ... and the new model is the four honest sites' aggregate, as if site5 had not answered
+    initial = method.initial_state()
+    replies = {r.content["fedsm"]["site"]: r.content for r in grid.sent}
+    four = {site: _rebuilt(method, initial, replies[site], site) for site in SITES5[:4]}
+    expected, left_out = aggregate_leaving_out(method, initial, 1, four, RobustSettings())
+    assert left_out == {}
+    assert_same_state(attacked, expected)
+    print(end["left_out"]["site5"])
