@@ -40,7 +40,7 @@ RULES = {"mean": {"clip": 0.0, "min_cosine": -1.0}, "clip1": {"clip": 1.0, "min_
          "median": {"aggregation": "median", "clip": 0.0, "min_cosine": -1.0}, "default": {}}
 #: ``absent``: the attacker's site answers nothing in any round (the run without its data: the best that leaving
 #: an attacker out can reach).
-ATTACKS = {"none": None, "x5": 5.0, "flip": -1.0, "absent": 0.0}
+ATTACKS: dict[str, float | None] = {"none": None, "x5": 5.0, "flip": -1.0, "absent": None}
 #: cpu-small's tasks: image size, rounds, slices per volume (engine/bench/presets.py)
 TASKS = {"fundus": (48, 6, None), "prostate": (32, 5, 6)}
 #: Parts a site's answer carries models in (engine.fl.robust.NORM_PARTS without Scaffold's control).
@@ -48,9 +48,10 @@ MODEL_PARTS = ("global", "personal", "selector")
 
 
 class Attacker:
-    """Wraps a method: ``site``'s answer is its honest change times ``factor`` on every model part."""
+    """Wraps a method: ``site``'s answer is its honest change times ``factor`` on every model part, or, with
+    ``factor=None``, no answer at all (the site fails every round and is left out)."""
 
-    def __init__(self, method: Any, site: str, factor: float) -> None:
+    def __init__(self, method: Any, site: str, factor: float | None) -> None:
         self._method, self._site, self._factor = method, site, factor
 
     def __getattr__(self, name: str) -> Any:
@@ -59,7 +60,7 @@ class Attacker:
     def train_at_site(self, instructions: Any, site: Any, progress: Any = None, cancel: Any = None) -> Any:
         from engine.fl.methods import SiteUpdate
 
-        if site.name == self._site and self._factor == 0.0:
+        if site.name == self._site and self._factor is None:
             from engine.errors import FedSMError
 
             raise FedSMError(f"{site.name} is absent in this run")
@@ -87,7 +88,7 @@ def run_one(method: str, seed: int, rule: str, attack: str, args: argparse.Names
     class AttackedSimulation(Simulation):
         def _build_method(self, name: str) -> Any:
             built = super()._build_method(name)
-            return built if factor is None else Attacker(built, args.attacker, factor)
+            return built if attack == "none" else Attacker(built, args.attacker, factor)
 
     size, rounds, slices = TASKS[args.task]
     cfg = SimulationConfig(task=args.task, sites=6, rounds=args.rounds or rounds, methods=(method,), image_size=size,

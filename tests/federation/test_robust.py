@@ -200,15 +200,31 @@ def test_coordinate_wise_median_and_trimmed_mean():
     assert torch.equal(coordinate_wise(parts[:2], "median")["w"], torch.tensor([1.5, 15.0]))
 
 
-def _times_five(reply):
-    """site3's answer on the wire: every model difference it sends times 5 (within max_relative_update)."""
-    content = reply.content
-    site, rnd = content["fedsm"]["site"], content["fedsm"]["round"]
-    update = records.decode_update(content, site, rnd)
-    models = {p: {k: v * 5 if v.dtype.is_floating_point else v for k, v in w.items()}
-              for p, w in update.weights.items()}
-    reply.content = records.encode_update(SiteUpdate(models, update.num_samples, update.metrics), site=site, rnd=rnd)
-    return reply
+def _scaled(factor):
+    """An answer on the wire with every model difference it sends times ``factor`` (x5: within
+    max_relative_update; x-1, a sign flip: the same norm, inside every norm bound)."""
+    def tamper(reply):
+        content = reply.content
+        site, rnd = content["fedsm"]["site"], content["fedsm"]["round"]
+        update = records.decode_update(content, site, rnd)
+        models = {p: {k: v * factor if v.dtype.is_floating_point else v for k, v in w.items()}
+                  for p, w in update.weights.items()}
+        reply.content = records.encode_update(SiteUpdate(models, update.num_samples, update.metrics), site=site,
+                                              rnd=rnd)
+        return reply
+    return tamper
+
+
+def _tampered_first_round(datalists, spec, attacker, tamper, tmp_path, timeout):
+    """Round 1 of ``spec`` over FakeGrid with ``attacker``'s answers passed through ``tamper``:
+    (method, its initial state, the new state, events, grid)."""
+    events: list[dict] = []
+    workers = workers_for(datalists, tmp_path / str(len(list(tmp_path.iterdir()))))
+    name = {node: w.cfg.name for node, w in workers.items()}
+    grid = FakeGrid(workers, tamper=lambda node, r: tamper(r) if name[node] == attacker else r)
+    method = build_method(spec, "cpu")
+    return method, method.initial_state(), _first_round(method, spec, workers, grid, events, tmp_path, timeout), \
+        events, grid
 
 
 def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path, tmp_path_factory):
@@ -219,16 +235,8 @@ def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path
     spec = MethodSpec(method="fedavg", task="fundus", site_names=("site1", "site2", "site3"), rounds=1,
                       image_size=32, batch_size=4)
 
-    def run(tamper):
-        events: list[dict] = []
-        workers = workers_for(datalists, tmp_path / str(len(list(tmp_path.iterdir()))))
-        name = {node: w.cfg.name for node, w in workers.items()}
-        grid = FakeGrid(workers, tamper=lambda node, r: tamper(r) if name[node] == "site3" else r)
-        method = build_method(spec, "cpu")
-        return method.initial_state(), _first_round(method, spec, workers, grid, events, tmp_path, 30.0), events
-
-    initial, honest, honest_events = run(lambda r: r)
-    _, attacked, events = run(_times_five)
+    _, initial, honest, honest_events, _ = _tampered_first_round(datalists, spec, "site3", lambda r: r, tmp_path, 30.0)
+    _, _, attacked, events, _ = _tampered_first_round(datalists, spec, "site3", _scaled(5), tmp_path, 30.0)
     assert RobustSettings().clip == 2.0  # the default: measured in docs/results.md, "Robust aggregation"
     clipped = [e for e in events
                if e["event"] == "error" and e.get("site") == "site3" and "[robust] clip" in e["message"]]
@@ -242,16 +250,6 @@ def test_an_in_bound_x5_site_is_clipped_to_the_rounds_median_by_default(tmp_path
     assert moved < 2.0 * honest_moved, (moved, honest_moved)
 
 
-def _flipped(reply):
-    """An answer on the wire with every model difference it sends reversed (the same norm: inside every norm bound)."""
-    content = reply.content
-    site, rnd = content["fedsm"]["site"], content["fedsm"]["round"]
-    update = records.decode_update(content, site, rnd)
-    models = {p: {k: -v if v.dtype.is_floating_point else v for k, v in w.items()} for p, w in update.weights.items()}
-    reply.content = records.encode_update(SiteUpdate(models, update.num_samples, update.metrics), site=site, rnd=rnd)
-    return reply
-
-
 @pytest.mark.slow
 def test_a_site_that_reverses_its_update_is_left_out_by_default(datalists, tmp_path):
     from engine.fl.robust import aggregate_leaving_out
@@ -260,17 +258,10 @@ def test_a_site_that_reverses_its_update_is_left_out_by_default(datalists, tmp_p
     # reverses every difference it sends (a sign flip keeps the norm, so the clip and max_relative_update pass it)
     spec = MethodSpec(method="fedavg", task="fundus", site_names=SITES5, rounds=1, image_size=32, batch_size=4)
 
-    def run(tamper):
-        events: list[dict] = []
-        workers = workers_for(datalists, tmp_path / str(len(list(tmp_path.iterdir()))))
-        name = {node: w.cfg.name for node, w in workers.items()}
-        grid = FakeGrid(workers, tamper=lambda node, r: tamper(r) if name[node] == "site5" else r)
-        method = build_method(spec, "cpu")
-        return _first_round(method, spec, workers, grid, events, tmp_path, 60.0), events, grid, method
-
     # Execute
-    _, honest_events, _, _ = run(lambda r: r)
-    attacked, events, grid, method = run(_flipped)
+    _, _, _, honest_events, _ = _tampered_first_round(datalists, spec, "site5", lambda r: r, tmp_path, 60.0)
+    method, initial, attacked, events, grid = _tampered_first_round(datalists, spec, "site5", _scaled(-1), tmp_path,
+                                                                    60.0)
 
     # Assert: honest, every site is kept; reversed, site5 is left out with the cosine named, and the round goes on
     assert next(e for e in honest_events if e["event"] == "round_end")["answered"] == list(SITES5)
@@ -280,7 +271,6 @@ def test_a_site_that_reverses_its_update_is_left_out_by_default(datalists, tmp_p
     assert "points against the other sites'" in end["left_out"]["site5"]
     assert any(e["event"] == "error" and e.get("site") == "site5" and "min_cosine" in e["message"] for e in events)
     # ... and the new model is the four honest sites' aggregate, as if site5 had not answered
-    initial = method.initial_state()
     replies = {r.content["fedsm"]["site"]: r.content for r in grid.sent}
     four = {site: _rebuilt(method, initial, replies[site], site) for site in SITES5[:4]}
     expected, left_out = aggregate_leaving_out(method, initial, 1, four, RobustSettings())

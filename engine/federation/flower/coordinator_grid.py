@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 GIVE_UP_AFTER_S = 300.0
 
 
-
 class PromptHttpGrid(HttpGrid):
     """Flower's ``HttpGrid`` whose ``pull_messages`` retries missing objects promptly.
 

@@ -22,7 +22,6 @@ are pulled at once (one request each), so one object's round trip overlaps the n
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +44,6 @@ from flwr.supercore.inflatable.inflatable_utils import (
 from flwr.supercore.task_identity import TaskIdentity
 
 from engine.errors import CancelledError
-
-log = logging.getLogger(__name__)
 
 #: Seconds before retrying an object that has not arrived yet, doubling up to the cap.
 INITIAL_BACKOFF = 0.02
