@@ -106,6 +106,16 @@ def pytest_unconfigure(config):
         faulthandler.cancel_dump_traceback_later()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collect (importing torch, MONAI, Qt and Flower in every worker) with the garbage collector paused, as the
+    product's processes import them (:mod:`engine.startup`)."""
+    from engine.startup import collector_paused
+
+    with collector_paused():
+        return (yield)
+
+
 def pytest_collection_modifyitems(config, items):
     """Give the federation and slow tests their longer bound unless a test sets its own, and put the
     longest work first (:func:`heaviest_first`)."""

@@ -7,13 +7,23 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.startup import collector_paused, import_compute_stack
 from engine.threads import use_threads
 
 
-def set_threads(threads: int | None) -> int:
+def set_threads(threads: int | None, load_stack: bool = True) -> int:
     """torch's CPU threads for a command: ``threads`` if given (kept while the command runs, also when
-    inference loads a model), else ``OMP_NUM_THREADS`` or the free cores (:mod:`engine.threads`)."""
-    return use_threads(threads)
+    inference loads a model), else ``OMP_NUM_THREADS`` or the free cores (:mod:`engine.threads`).
+
+    Every command that trains or infers calls this first; with ``load_stack`` it also imports the
+    rest of the compute stack, with the garbage collector paused (:mod:`engine.startup`). ``fedsm
+    site`` passes ``False``: it loads the stack only once its checks have passed.
+    """
+    with collector_paused():
+        count = use_threads(threads)
+        if load_stack:
+            import_compute_stack()
+    return count
 
 
 def setup_logging(verbose: bool, log_file: Path | None = None) -> None:

@@ -21,6 +21,7 @@ from engine.federation.events import EventWriter
 from engine.federation.flower.app_bundle import build_app_bundle
 from engine.federation.flower.memory import keep_freed_memory
 from engine.security.run_review import stdin_confirmation
+from engine.startup import collector_paused
 
 
 class StopFlag:
@@ -79,8 +80,9 @@ def _events(args: argparse.Namespace, source: str, site: str | None, path: Path)
 
 
 def _server(args: argparse.Namespace) -> int:
-    from engine.federation.config import load_federation_config
-    from engine.federation.flower.server import run_server
+    with collector_paused():  # Flower's SuperLink side and the engine (engine.startup)
+        from engine.federation.config import load_federation_config
+        from engine.federation.flower.server import run_server
 
     keep_freed_memory()
     cfg = load_federation_config(args.config)
@@ -96,15 +98,16 @@ def _server(args: argparse.Namespace) -> int:
 
 
 def _site(args: argparse.Namespace) -> int:
-    from engine.federation.config import load_site_config
-    from engine.federation.flower.site import run_site
+    with collector_paused():  # Flower's runtime client and the engine (engine.startup)
+        from engine.federation.config import load_site_config
+        from engine.federation.flower.site import run_site
 
     keep_freed_memory()
     cfg = load_site_config(args.config, check_files=False)
     setup_logging(args.verbose, cfg.work_dir / "site.log")
     # the ClientApp trains in this process: --threads, else site.toml's threads, else OMP_NUM_THREADS or the
     # free cores; the count is kept for the whole run (also when the site loads a model to validate)
-    threads = set_threads(args.threads if args.threads is not None else (cfg.threads or None))
+    threads = set_threads(args.threads if args.threads is not None else (cfg.threads or None), load_stack=False)
     cfg = dataclasses.replace(cfg, threads=threads)
     stop = StopFlag()
     with _events(args, "site", cfg.name, cfg.work_dir / "events.jsonl") as events:

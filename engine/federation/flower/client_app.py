@@ -39,6 +39,7 @@ from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.methods import SiteInstructions, SiteRuntime, SiteUpdate
 from engine.fl.wire_precision import decode_down, encode_up
 from engine.security.approval import AppNotApproved
+from engine.startup import import_compute_stack
 from engine.tasks import get_task
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ class SiteWorker:
             raise ConfigError(f"the coordinator's run does not include site {self.cfg.name!r} "
                               f"(sites: {', '.join(spec.site_names)})")
         if spec_json not in self._methods:
+            import_compute_stack()  # the first run this site trains for: MONAI and the optimizers (engine.startup)
             self._methods[spec_json] = build_method(spec, self.cfg.device)
         return self._methods[spec_json], spec
 

@@ -63,6 +63,7 @@ from engine.federation.flower.request_body import wrap_supernode_runtime_api
 from engine.federation.flower.run_confirmation import DECLINED, ask
 from engine.security.approval import AppNotApproved, app_hash, check_app_approved
 from engine.security.run_spec import RUN_CONFIG_KEY, RunLedger, SiteBounds, verify_envelope
+from engine.startup import collector_paused
 
 _GRACE_S = 10.0
 #: Start of the output line by which the SuperNode tells the site process that it refused an app.
@@ -288,26 +289,27 @@ def main(argv: list[str] | None = None) -> None:
 
     keep_freed_memory()
     start_parent_watchdog(args.parent_pid)
-    if args.component == "superlink":
-        # the command's module (the package re-exports its entry function under the same name)
-        command = importlib.import_module("flwr.superlink.cli.flower_superlink")
-        if args.fleet_address is not None:
-            _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes,
-                                    args.fleet_keys)
-        entry = command.flower_superlink
-        sys.argv = ["flower-superlink", *flower_args]
-    else:
-        command = importlib.import_module("flwr.supernode.cli.flower_supernode")
-        if args.poll_interval is not None:
-            _prompt_supernode(args.poll_interval)
-        if args.approved_apps is not None:
-            from flwr.supernode import start_client_internal
+    with collector_paused():  # importing Flower builds ~500k long-lived objects (engine.startup)
+        if args.component == "superlink":
+            # the command's module (the package re-exports its entry function under the same name)
+            command = importlib.import_module("flwr.superlink.cli.flower_superlink")
+            if args.fleet_address is not None:
+                _serve_fleet_separately(command, args.fleet_address, args.record_dir, args.max_reply_bytes,
+                                        args.fleet_keys)
+            entry = command.flower_superlink
+            sys.argv = ["flower-superlink", *flower_args]
+        else:
+            command = importlib.import_module("flwr.supernode.cli.flower_supernode")
+            if args.poll_interval is not None:
+                _prompt_supernode(args.poll_interval)
+            if args.approved_apps is not None:
+                from flwr.supernode import start_client_internal
 
-            guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site,
-                       policy=None if args.run_policy is None else json.loads(args.run_policy))
-        wrap_supernode_runtime_api()
-        entry = command.flower_supernode
-        sys.argv = ["flower-supernode", *flower_args]
+                guard_apps(start_client_internal, [a for a in args.approved_apps.split(",") if a], args.site,
+                           policy=None if args.run_policy is None else json.loads(args.run_policy))
+            wrap_supernode_runtime_api()
+            entry = command.flower_supernode
+            sys.argv = ["flower-supernode", *flower_args]
     freeze_startup_objects()
     entry()
 

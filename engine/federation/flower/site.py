@@ -56,6 +56,7 @@ from engine.security.run_spec import (
     describe,
     verify_envelope,
 )
+from engine.startup import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +428,8 @@ def run_site(cfg: SiteConfig, *, insecure: bool = False, events: EventWriter, on
         torch.set_num_threads(cfg.threads)
     cfg.work_dir.mkdir(parents=True, exist_ok=True)
     # the ClientApp (torch, MONAI) loads only once the checks above passed: a refused start is quick
-    from engine.federation.flower.client_app import SiteWorker, build_client_app
+    with collector_paused():
+        from engine.federation.flower.client_app import SiteWorker, build_client_app
 
     stopping = stop or (lambda: False)
     worker = SiteWorker(cfg, events, cancel=stopping, validate=validate)
