@@ -36,6 +36,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from engine.errors import ConfigError, FedSMError
 from engine.fl.registry import all_option_bounds, all_option_totals
 from engine.io.atomic import write_text_atomic
@@ -194,8 +199,6 @@ def make_envelope(spec_json: str, app_hash: str, session: str, key_path: Path | 
                                 "expires_at": issued + math.ceil(lifetime_s), "signature": None,
                                 "certificate": None}
     if key_path is not None and cert_path is not None:
-        from cryptography.hazmat.primitives import hashes, serialization
-        from cryptography.hazmat.primitives.asymmetric import ec
 
         key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password=None)
         if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -339,10 +342,6 @@ class RunLedger:
 
 
 def _check_signature(envelope: Mapping[str, Any], ca_cert: Path, message: bytes) -> None:
-    from cryptography import x509
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
 
     cert_pem, signature = envelope.get("certificate"), envelope.get("signature")
     if not isinstance(cert_pem, str) or not isinstance(signature, str):
