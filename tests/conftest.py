@@ -141,8 +141,7 @@ def heaviest_first(items: list[pytest.Item]) -> list[pytest.Item]:
         return 1 if item.path in slow_files else 2
 
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    order = {id(item): k for k, item in enumerate(items)}
-    return sorted(items, key=lambda item: (rank(item), order[id(item)]))
+    return sorted(items, key=rank)  # stable: within a rank, the collection's order
 
 
 @pytest.hookimpl(optionalhook=True)

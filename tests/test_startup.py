@@ -27,8 +27,8 @@ def test_a_block_that_imports_freezes_what_exists_and_one_that_does_not_freezes_
     (tmp_path / "startup_probe_module.py").write_text("DATA = [[k] for k in range(1000)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     before = gc.get_freeze_count()
-    with collector_paused():
-        pass  # nothing imported: the garbage the process holds now must not become permanent
+    with collector_paused():  # nothing imported: the garbage the process holds now must not become permanent
+        assert not gc.isenabled()
     assert gc.get_freeze_count() == before
     with collector_paused():
         module = importlib.import_module("startup_probe_module")

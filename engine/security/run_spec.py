@@ -199,7 +199,6 @@ def make_envelope(spec_json: str, app_hash: str, session: str, key_path: Path | 
                                 "expires_at": issued + math.ceil(lifetime_s), "signature": None,
                                 "certificate": None}
     if key_path is not None and cert_path is not None:
-
         key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password=None)
         if not isinstance(key, ec.EllipticCurvePrivateKey):
             raise ConfigError(f"{key_path} is not the coordinator's EC private key")
@@ -342,7 +341,6 @@ class RunLedger:
 
 
 def _check_signature(envelope: Mapping[str, Any], ca_cert: Path, message: bytes) -> None:
-
     cert_pem, signature = envelope.get("certificate"), envelope.get("signature")
     if not isinstance(cert_pem, str) or not isinstance(signature, str):
         raise RunSpecRefused("the run spec is not signed by the coordinator; refusing the run")
