@@ -229,8 +229,10 @@ class Simulation:
         return per_site, client_avg, pooled
 
     def _round_summaries(self, records: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+        # ``direction``: each site's cosine against the others' median, where the robust aggregation judged it
         rounds = [{"round": r.round, "answered": r.answered, "failed": r.failed, "wall_s": round(r.wall_s, 3),
-                   "metrics": r.metrics} for r in records]
+                   "metrics": r.metrics, **({"direction": r.direction} if getattr(r, "direction", None) else {})}
+                  for r in records]
         per_site: dict[str, dict[str, float]] = {}
         for s in self.sites:
             to_site = [r.bytes_to_site.get(s.name, 0) for r in records]

@@ -19,7 +19,7 @@ from typing import Any
 from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.fl.exchange import ExchangeMethod, Failure, Reply, tensor_bytes
 from engine.fl.methods import FederatedMethod, SiteInstructions, SiteRuntime, SiteUpdate, WeightSet
-from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
+from engine.fl.robust import DirectionMemory, RobustSettings, UpdateScreen, aggregate_leaving_out
 from engine.fl.weights import payload_bytes
 from engine.fl.wire_precision import DownCache, decode_down, decode_up, encode_down, encode_up
 
@@ -40,6 +40,8 @@ class RoundRecord:
     metrics: dict[str, dict[str, float]]
     wall_s: float
     site_train_s: dict[str, float] = field(default_factory=dict)
+    #: ``{part: {site: cosine}}``: each site's change against the others' median (engine.fl.robust), when judged
+    direction: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def weightset_bytes(weights: WeightSet) -> int:
@@ -81,6 +83,7 @@ def run_rounds(
     state = method.initial_state() if state is None else state
     records: list[RoundRecord] = []
     screen = None if robust is None else UpdateScreen(robust)
+    directions = None if robust is None else DirectionMemory(robust.direction_memory)  # evidence over the run
     for rnd in range(first_round, rounds + 1):
         if cancel is not None and cancel():
             raise CancelledError(f"{method.name}: cancelled before round {rnd}")
@@ -130,7 +133,7 @@ def run_rounds(
                         progress({"event": "error", "method": method.name, "round": rnd, "site": name,
                                   "message": message, "clipped": True})  # kept in the round, scaled down
 
-                aggregated, refused = aggregate_leaving_out(method, state, rnd, updates, robust, clipped)
+                aggregated, refused = aggregate_leaving_out(method, state, rnd, updates, robust, clipped, directions)
                 for name, reason in refused.items():
                     updates.pop(name)
                     failed[name] = reason
@@ -139,7 +142,8 @@ def run_rounds(
             log.warning("round %d: only %d of %d sites answered (min_sites=%d); state unchanged",
                         rnd, len(updates), len(sites), min_sites)
         record = RoundRecord(rnd, sorted(updates), failed, to_site, from_site,
-                             {s: u.metrics for s, u in updates.items()}, time.perf_counter() - start, train_s)
+                             {s: u.metrics for s, u in updates.items()}, time.perf_counter() - start, train_s,
+                             directions.cosines.get(rnd, {}) if directions is not None else {})
         records.append(record)
         if progress:
             progress({"event": "round_end", "method": method.name, "round": rnd, "rounds": rounds,

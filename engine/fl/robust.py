@@ -42,8 +42,9 @@ screens every decoded, shape-checked update (:func:`screen_update`):
   (37 % of FedAvg's weight on cpu-small fundus) cost -0.25 Dice under every norm rule. Each round,
   for the parts every site averages into one shared model (:data:`SHARED_PARTS`), each site's change
   is compared with the coordinate-wise median of the *other* sites' changes; a site whose cosine with
-  it is below ``min_cosine`` is left out of the round with an ``error`` event. The others' median is
-  a consensus one attacker cannot carry when at least four sites answer; with fewer there is no check.
+  it, averaged over the run's rounds (:class:`DirectionMemory`, ``direction_memory``), is below
+  ``min_cosine`` is left out of the round with an ``error`` event. The others' median is a consensus
+  one attacker cannot carry when at least four sites answer; with fewer there is no check.
 
 Optionally ``aggregation = "median"`` or ``"trimmed_mean"`` (with ``trim``, the fraction cut at
 each end, default 0.2) replaces the weighted mean of the parts that FedAvg, FedProx and FedSM's
@@ -90,7 +91,7 @@ SHARED_PARTS = ("global", "selector")
 #: Fewest answering sites for the direction check: three others, so that one site cannot carry their median.
 MIN_SITES_FOR_DIRECTION = 4
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
-         "aggregation", "trim", "max_reply_mb", "clip", "min_cosine"}
+         "aggregation", "trim", "max_reply_mb", "clip", "min_cosine", "direction_memory"}
 #: Default ``clip``: each part's change at most this many times the round's median change norm (per
 #: sqrt(sample count) for the trained parts; 0: off). 2: honest sites are left alone (cpu-small fundus
 #: and prostate, 3 seeds: the same Dice as no clipping), a site pushing x5 is held to about twice its
@@ -99,6 +100,12 @@ CLIP_TO_MEDIAN = 2.0
 #: Default ``min_cosine``: a site whose change of a shared model has a cosine below this with the other sites'
 #: coordinate-wise median change is left out of the round (-1: off). See docs/results.md, "Robust aggregation".
 MIN_COSINE = -0.07
+#: Default ``direction_memory``: the weight of a site's earlier rounds in the direction evidence it is judged by
+#: (an exponential moving average of its cosines; 0: this round alone). An honest site's cosine can dip far
+#: below ``min_cosine`` for a round or two late in a run (FedProx on cpu-small fundus: -0.306) after rounds of
+#: agreement; a site that flips its change is below it from its first flipped round on. 0.8 keeps every honest
+#: site and leaves out every flipped site in every round measured (docs/results.md, "The direction check").
+DIRECTION_MEMORY = 0.8
 
 
 class UpdateRejected(WeightsError):
@@ -120,6 +127,8 @@ class RobustSettings:
     clip: float = CLIP_TO_MEDIAN
     #: a site whose shared-model change has a lower cosine with the others' median change is left out (-1: off)
     min_cosine: float = MIN_COSINE
+    #: weight of a site's earlier rounds in the direction evidence judged against ``min_cosine`` (0: this round alone)
+    direction_memory: float = DIRECTION_MEMORY
     #: largest reply a site may upload, MiB (0: twice the method's largest legitimate reply, at least 128 MiB)
     max_reply_mb: float = 0.0
 
@@ -157,12 +166,17 @@ class RobustSettings:
         min_cosine = number("min_cosine", MIN_COSINE, -1.0)
         if min_cosine > 1:
             raise ConfigError(f"{where}: min_cosine = {min_cosine} must be a cosine, between -1 (off) and 1")
+        direction_memory = number("direction_memory", DIRECTION_MEMORY, 0.0)
+        if direction_memory >= 1:
+            raise ConfigError(f"{where}: direction_memory = {direction_memory} must be below 1 (the weight of "
+                              "earlier rounds; 0: this round alone)")
         return cls(max_relative_update=number("max_relative_update", MAX_RELATIVE_UPDATE, 1e-12),
                    norm_action=action, num_examples=dict(declared),
                    num_examples_growth=number("num_examples_growth", 1.0, 1.0),
                    max_num_examples=number("max_num_examples", MAX_NUM_EXAMPLES, 1, integer=True),
                    aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0),
-                   clip=number("clip", CLIP_TO_MEDIAN, 0.0), min_cosine=min_cosine)
+                   clip=number("clip", CLIP_TO_MEDIAN, 0.0), min_cosine=min_cosine,
+                   direction_memory=direction_memory)
 
 
 def _norm(weights: Mapping[str, torch.Tensor]) -> float:
@@ -281,19 +295,21 @@ class UpdateScreen:
 
 
 def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, updates: Mapping[str, SiteUpdate],
-                          settings: RobustSettings | None = None, report: Callable[[str, str], None] | None = None
-                          ) -> tuple[WeightSet | None, dict[str, str]]:
+                          settings: RobustSettings | None = None, report: Callable[[str, str], None] | None = None,
+                          directions: DirectionMemory | None = None) -> tuple[WeightSet | None, dict[str, str]]:
     """Aggregate ``updates``; an update the method cannot aggregate is left out instead of ending the run.
 
     Returns the new state (``None`` when no update could be aggregated) and a reason per site
     left out: a site whose shared-model change points against the others' (``settings.min_cosine``,
-    :func:`opposed_sites`) or whose update the method cannot aggregate. The order of ``updates`` is
-    kept (sums in configured site order). ``report(site, message)`` is told of every update clipped
-    to the round's median (``settings.clip``).
+    :func:`opposed_sites`, judged on the run's ``directions`` evidence; ``None``: this round's alone)
+    or whose update the method cannot aggregate. The order of ``updates`` is kept (sums in configured
+    site order). ``report(site, message)`` is told of every update clipped to the round's median
+    (``settings.clip``).
     """
     left_out: dict[str, str] = {}
     if settings is not None and settings.min_cosine > -1:
-        left_out = opposed_sites(method, state, updates, settings.min_cosine)
+        left_out = opposed_sites(method, state, updates, settings.min_cosine, rnd,
+                                 directions if directions is not None else DirectionMemory(settings.direction_memory))
         updates = {site: u for site, u in updates.items() if site not in left_out}
     if settings is not None and settings.clip > 0:
         updates = clip_to_median(method, state, updates, settings.clip, report)  # once, among all of them
@@ -324,25 +340,79 @@ def aggregate_leaving_out(method: FederatedMethod, state: WeightSet, rnd: int, u
         return None, left_out
 
 
+class DirectionMemory:
+    """Each site's direction evidence over a run: an exponential moving average of its cosines per shared part.
+
+    One round's cosine cannot tell a flipped site from an honest one late in a run: on cpu-small fundus an
+    honest FedProx site dipped to -0.306 after four rounds of agreement, while a flipped large site sat at
+    -0.165 in the same round. A site that flips does so from the round it starts, and is judged on its
+    evidence ``e = memory * e_before + (1 - memory) * cosine`` (its first cosine alone in its first judged
+    round, so a site that flips from round 1 is left out of round 1). A site that agreed for many rounds
+    and then flips is left out after a few rounds however long it agreed (with 0.8, the fifth flipped round
+    after evidence of +0.3, at cosine -0.3). The cosines are kept per round (:attr:`cosines`), so a round
+    judged again (a repeated attempt) replaces its earlier reading, and a resumed coordinator rebuilds the
+    evidence from its checkpoint's history (:meth:`from_history`).
+    """
+
+    def __init__(self, memory: float = DIRECTION_MEMORY) -> None:
+        self.memory = memory
+        #: ``{round: {part: {site: cosine}}}``, every round judged so far
+        self.cosines: dict[int, dict[str, dict[str, float]]] = {}
+
+    @classmethod
+    def from_history(cls, memory: float, history: list[Mapping[str, Any]]) -> DirectionMemory:
+        """The evidence of a resumed run: the ``direction`` cosines of each round record that has them."""
+        out = cls(memory)
+        for record in history:
+            cosines = record.get("direction")
+            if isinstance(record.get("round"), int) and isinstance(cosines, Mapping):
+                out.cosines[record["round"]] = {str(part): {str(site): float(c) for site, c in by_site.items()}
+                                                for part, by_site in cosines.items() if isinstance(by_site, Mapping)}
+        return out
+
+    def observe(self, rnd: int, cosines: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+        """Record round ``rnd``'s cosines; return the evidence after it for each site judged in it."""
+        self.cosines[rnd] = {part: dict(by_site) for part, by_site in cosines.items()}
+        evidence = self.evidence(rnd)
+        return {part: {site: evidence[part][site] for site in by_site} for part, by_site in cosines.items()}
+
+    def evidence(self, through: int) -> dict[str, dict[str, float]]:
+        """``{part: {site: evidence}}`` over the rounds judged up to ``through``, in round order."""
+        out: dict[str, dict[str, float]] = {}
+        for rnd in sorted(r for r in self.cosines if r <= through):
+            for part, by_site in self.cosines[rnd].items():
+                seen = out.setdefault(part, {})
+                for site, cosine in by_site.items():
+                    before = seen.get(site)
+                    seen[site] = cosine if before is None else self.memory * before + (1 - self.memory) * cosine
+        return out
+
+
 def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[str, SiteUpdate],
-                  min_cosine: float) -> dict[str, str]:
+                  min_cosine: float, rnd: int = 1, directions: DirectionMemory | None = None) -> dict[str, str]:
     """Sites whose change of a shared part (:data:`SHARED_PARTS`) points against the other sites', with the reason.
 
     Each site's change (its part minus what it was sent) is compared with the coordinate-wise median
-    of the other sites' changes of that part (:func:`direction_cosines`); a cosine below ``min_cosine``
-    marks it. Needs :data:`MIN_SITES_FOR_DIRECTION` sites sending the part (three others, so that one
-    site cannot carry their median), and a method whose shared parts are the sites' plain weighted mean
-    (the catalogue's ``mean_aggregation``): Scaffold's control variates turn each site's change its own
-    way (honest cosines down to -0.80 on cpu-small), so it is not judged by direction.
+    of the other sites' changes of that part (:func:`direction_cosines`); the round's cosines join the
+    run's evidence (``directions``, :class:`DirectionMemory`; ``None``: this round's cosine alone), and an
+    evidence below ``min_cosine`` marks the site. Needs :data:`MIN_SITES_FOR_DIRECTION` sites sending the
+    part (three others, so that one site cannot carry their median), and a method whose shared parts are
+    the sites' plain weighted mean (the catalogue's ``mean_aggregation``): Scaffold's control variates turn
+    each site's change its own way (honest cosines down to -0.80 on cpu-small), so it is not judged by
+    direction.
     """
     if min_cosine <= -1 or len(updates) < MIN_SITES_FOR_DIRECTION or method.name not in mean_aggregation_methods():
         return {}
+    cosines = direction_cosines(method, state, updates)
+    evidence = (directions if directions is not None else DirectionMemory(0.0)).observe(rnd, cosines)
     reasons: dict[str, str] = {}
-    for part, cosines in direction_cosines(method, state, updates).items():
-        for site, cosine in cosines.items():
-            if cosine < min_cosine and site not in reasons:
+    for part, by_site in cosines.items():
+        for site, cosine in by_site.items():
+            judged = evidence[part][site]
+            if judged < min_cosine and site not in reasons:
+                over = "" if judged == cosine else f", {judged:.3f} over the rounds so far"
                 reasons[site] = (f"update rejected: the {part} update from {site} points against the other sites' "
-                                 f"(cosine {cosine:.3f} with the coordinate-wise median of their changes, "
+                                 f"(cosine {cosine:.3f} with the coordinate-wise median of their changes{over}, "
                                  f"below [robust] min_cosine = {min_cosine:g})")
                 log.info("%s", reasons[site])
     return reasons

@@ -106,3 +106,45 @@ def test_each_sites_median_of_the_others_comes_from_one_sort():
         for i, median in enumerate(_leave_one_out_medians(rows)):
             others = torch.cat([rows[:i], rows[i + 1:]])
             assert torch.equal(median, others.sort(dim=0).values[(k - 2) // 2])  # the lower middle value
+
+
+def test_direction_evidence_is_a_moving_average_of_each_sites_cosines_replayed_in_round_order():
+    from engine.fl.robust import DirectionMemory
+
+    memory = DirectionMemory(0.8)
+    assert memory.observe(1, {"global": {"a": 0.3, "b": -0.2}}) == {"global": {"a": 0.3, "b": -0.2}}  # first: itself
+    assert memory.observe(2, {"global": {"a": -0.3}}) == {"global": {"a": pytest.approx(0.8 * 0.3 + 0.2 * -0.3)}}
+    # a repeated attempt of round 2 replaces its reading instead of counting twice
+    assert memory.observe(2, {"global": {"a": 0.1}})["global"]["a"] == pytest.approx(0.8 * 0.3 + 0.2 * 0.1)
+    assert memory.evidence(2)["global"]["b"] == -0.2  # b was not judged in round 2: unchanged
+    # a resumed coordinator rebuilds the same evidence from its checkpoint's round records
+    history = [{"round": r, "answered": [], "direction": c} for r, c in sorted(memory.cosines.items())]
+    history.insert(1, {"round": 9, "answered": []})  # a record without cosines (fewer than four sites) is skipped
+    assert DirectionMemory.from_history(0.8, history).evidence(2) == memory.evidence(2)
+    assert DirectionMemory(0.0).observe(1, {"global": {"a": 0.5}})["global"]["a"] == 0.5
+    assert RobustSettings().direction_memory == 0.8
+    with pytest.raises(Exception, match="direction_memory"):
+        RobustSettings.from_dict({"direction_memory": 1.0})
+
+
+def test_a_site_that_dips_after_agreeing_is_kept_but_a_site_that_keeps_flipping_is_left_out(tiny_training):
+    from engine.fl.robust import DirectionMemory
+
+    method = FedAvg(FUNDUS, NAMES, tiny_training, seed=0)
+    state = method.initial_state()
+    honest, flipped = _updates(state, [1, 1, 1, 1, 1]), _updates(state, [1, 1, 1, 1, -1])
+    memory = DirectionMemory(0.8)
+    assert opposed_sites(method, state, honest, -0.07, 1, memory) == {}
+    assert memory.cosines[1]["global"]["site5"] > 0.4  # agreed in round 1
+    # round 2: site5 points against the others (cosine ~ -0.6); one round of it after agreeing is not enough ...
+    assert opposed_sites(method, state, flipped, -0.07, 2, memory) == {}
+    # ... where this round's cosine alone (memory 0, the old rule) leaves it out
+    assert list(opposed_sites(method, state, flipped, -0.07, 2, DirectionMemory(0.0))) == ["site5"]
+    # flipping on, it is left out within a few rounds, the reason naming both the round's and the run's figure
+    left_out_at = next(rnd for rnd in range(3, 10) if opposed_sites(method, state, flipped, -0.07, rnd, memory))
+    # evidence 0.8^k * 0.66 - (1 - 0.8^k) * 0.6 falls below -0.07 at the fourth flipped round (round 5)
+    assert left_out_at <= 5, left_out_at
+    reason = opposed_sites(method, state, flipped, -0.07, left_out_at, memory)["site5"]
+    assert "over the rounds so far" in reason and "min_cosine = -0.07" in reason
+    # a site flipping from its first judged round is left out of that round
+    assert list(opposed_sites(method, state, flipped, -0.07, 1, DirectionMemory(0.8))) == ["site5"]
