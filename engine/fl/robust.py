@@ -402,6 +402,8 @@ def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[st
     direction.
     """
     if min_cosine <= -1 or len(updates) < MIN_SITES_FOR_DIRECTION or method.name not in mean_aggregation_methods():
+        if directions is not None:
+            directions.cosines.pop(rnd, None)  # an earlier attempt of this round with more sites no longer counts
         return {}
     cosines = direction_cosines(method, state, updates)
     evidence = (directions if directions is not None else DirectionMemory(0.0)).observe(rnd, cosines)

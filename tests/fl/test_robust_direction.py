@@ -146,5 +146,8 @@ def test_a_site_that_dips_after_agreeing_is_kept_but_a_site_that_keeps_flipping_
     assert left_out_at <= 5, left_out_at
     reason = opposed_sites(method, state, flipped, -0.07, left_out_at, memory)["site5"]
     assert "over the rounds so far" in reason and "min_cosine = -0.07" in reason
+    # a repeated attempt of the round with too few sites to judge leaves no reading of it behind
+    three = {s: flipped[s] for s in ("site1", "site2", "site5")}
+    assert opposed_sites(method, state, three, -0.07, left_out_at, memory) == {} and left_out_at not in memory.cosines
     # a site flipping from its first judged round is left out of that round
     assert list(opposed_sites(method, state, flipped, -0.07, 1, DirectionMemory(0.8))) == ["site5"]
