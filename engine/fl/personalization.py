@@ -74,6 +74,7 @@ from engine.errors import ConfigError
 from engine.fl.aggregation import fedavg
 from engine.fl.local_training import (
     Device,
+    _segmentation_learner,
     _selector_learner,
     _to_device,
     batch_order,
@@ -318,8 +319,9 @@ def train_personalized_round(
     device = Device.resolve(cfg.device)
     torch.manual_seed(seed)
     loss_of = _dice_batch_loss(cfg.loss)
-    glob = _seg_net(task, weights["global"], device)
-    glob_opt = _adam(glob, cfg.lr)
+    # the global model steps exactly as FedAvg's does (its learner: fused Adam, the same loss), so FedSM's
+    # global model stays FedAvg's whatever the personalization rule (engine.fl.methods.contract._fedavg_seed)
+    glob = _segmentation_learner(task, weights["global"], cfg.lr, device)
     sel = _selector_learner(task, weights["selector"], num_sites, cfg, device) if train_selector else None
     small = selector_inputs(data.images, cfg.selector_size) if train_selector else None
 
@@ -353,7 +355,7 @@ def train_personalized_round(
             assert second is not None and second_opt is not None
             alpha = apfl_alpha_of(site_state, pcfg.apfl_alpha)
             v_now = {n: p.detach() for n, p in second.named_parameters()}
-            w_now = {n: p.detach() for n, p in glob.named_parameters()}
+            w_now = {n: p.detach() for n, p in glob.net.named_parameters()}
             mixed = {n: (alpha * v_now[n] + (1 - alpha) * w_now[n]).requires_grad_() for n in v_now}
             loss_mix = loss_of(lambda inp, mixed=mixed: functional_call(second, mixed, (inp,)), (x, y))
             grads = dict(zip(mixed, torch.autograd.grad(loss_mix, list(mixed.values())), strict=True))
@@ -393,11 +395,7 @@ def train_personalized_round(
                     for n, p in second.named_parameters():
                         p.copy_(new_w[n])
             losses["personal"] = float(fit.detach())
-        glob_opt.zero_grad(set_to_none=True)
-        loss_g = loss_of(glob, (x, y))
-        loss_g.backward()
-        glob_opt.step()
-        losses["global"] = float(loss_g.detach())
+        losses["global"] = glob.step(lambda net, x=x, y=y: loss_of(net, (x, y)))
         if sel is not None:
             xs = _to_device(small, idx, device)
             label = torch.full((len(idx),), site_index, dtype=torch.long, device=device.torch_device)
@@ -406,7 +404,7 @@ def train_personalized_round(
             sums[k] = sums.get(k, 0.0) + v
         ctx.report(i, len(batches), losses)
 
-    parts: dict[str, Weights] = {"global": _net_weights(glob)}
+    parts: dict[str, Weights] = {"global": _net_weights(glob.net)}
     if sel is not None:
         parts["selector"] = clone_weights(sel.net.state_dict())
     if kind == "apfl":

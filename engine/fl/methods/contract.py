@@ -177,6 +177,16 @@ class FederatedMethod(ABC):
     def _site_seed(self, rnd: int, site: SiteRuntime, part: str = "") -> int:
         return derived_seed(self.seed, self.name, rnd, site.name, part)
 
+    def _fedavg_seed(self, rnd: int, site: SiteRuntime) -> int:
+        """FedAvg's seed for round ``rnd`` at ``site`` (its :meth:`_site_seed`).
+
+        A method whose global model *is* FedAvg's (FedSM, FedSM-extra) trains it from this seed:
+        the same batches in the same order, so with the same data and settings its global model
+        equals FedAvg's round for round, and a paired comparison with FedAvg measures only what
+        the method adds (personalized models and routing), not a second draw of the shuffles.
+        """
+        return derived_seed(self.seed, "fedavg", rnd, site.name, "")
+
     # --- server half -----------------------------------------------------------------------
     @abstractmethod
     def initial_state(self) -> WeightSet:

@@ -542,7 +542,7 @@ class FedSM(FederatedMethod):
                 return self._final_update(instructions, site)
             return self._final_update_with_personal(instructions, site, ctx)
         w = instructions.weights
-        seed = self._site_seed(instructions.round, site)
+        seed = self._fedavg_seed(instructions.round, site)  # the global model trains on FedAvg's batches
         if phase == "selector":
             sel, optim, sel_metrics = reference_selector_round(
                 self.task, w["selector"], w[OPTIM_PART], np.full(len(site.train.images), site.index),
@@ -723,7 +723,7 @@ class FedSMExtra(FedSM):
                       progress: Any = None, cancel: Any = None) -> SiteUpdate:
         ctx = self._context(instructions.round, site, progress, cancel)
         w = instructions.weights
-        seed = self._site_seed(instructions.round, site)
+        seed = self._fedavg_seed(instructions.round, site)  # the global model trains on FedAvg's batches
         n = len(site.train.images)
         phase = self.phase(instructions.round)
         if phase == "train":
