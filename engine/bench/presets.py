@@ -198,8 +198,8 @@ PRESETS: dict[str, BenchPreset] = {
         name="cpu-converged",
         description="The full study trained to a plateau on a 2-core CPU: 6 sites per task, 64 px fundus for 60 "
                     "rounds, 32 px prostate for 150, Dice + cross-entropy loss, cosine learning-rate decay, best "
-                    "round by validation, the learning rate of every method tuned on validation (docs/results.md, "
-                    "Convergence recipe)",
+                    "round by validation, the learning rate of every method tuned on validation (FedSM's family "
+                    "takes FedAvg's: its global model is FedAvg's) (docs/results.md, Convergence recipe)",
         tasks=(TaskPreset("fundus", sites=6, image_size=64, rounds=60, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=32, rounds=150, slices=6, lam=0.3)),
         seeds=(0, 1, 2), batch_size=8, lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.01, loss="dicece",

@@ -25,7 +25,7 @@ from engine.bench.fediod_bench import fediod_section
 from engine.bench.plan import ALL_TASKS, machine_label, plan_jobs
 from engine.bench.presets import BenchPreset
 from engine.bench.split_table import split_section
-from engine.bench.tuning import chosen_lrs, tuning_table
+from engine.bench.tuning import TAKES_FEDAVG_RATE, chosen_lrs, tuning_table
 from engine.data.synth import site_profiles, split_counts
 from engine.io.atomic import write_text_atomic
 from engine.tasks import get_task
@@ -288,6 +288,10 @@ def _tuning_lines(results: dict[JobKey, dict[str, Any]], preset: BenchPreset) ->
             cells = ", ".join(f"{lr:g}: {d:.4f}" for lr, d in sorted(lrs.items()))
             lines.append(f"  - {tp.task} {T.get(method, method)}: chose {chosen.get(method, preset.lr):g} "
                          f"(best validation Dice per lr: {cells})")
+    sharing = [T.get(m, m) for m in preset.methods if m in TAKES_FEDAVG_RATE]
+    if sharing:
+        lines.append(f"  - {', '.join(sharing)}: FedAvg's rate, not tuned on their own (their global model is "
+                     "FedAvg's, trained on the same batches; docs/architecture.md)")
     return lines
 
 

@@ -12,6 +12,12 @@ FedAvg, FedProx and Scaffold; the mean over sites of each site's own model on it
 validation data for Local; for FedSM and FedSM-extra the mean over sites of the better of the
 global and the site's personalized model (what routing can reach). Ties go to the candidate
 listed first.
+
+FedSM and FedSM-extra are not tuned on their own: their global model *is* FedAvg's, trained on
+FedAvg's batches (``engine.fl.methods.contract.FederatedMethod._fedavg_seed``), and stays so only
+at FedAvg's learning rate. They, the lam sweep and the personalization variants train with
+FedAvg's tuned rate (:data:`TAKES_FEDAVG_RATE`), and FedAvg is tuned whenever one of them is in
+the preset; a paired FedSM − FedAvg then differs only by what FedSM adds.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from engine.errors import ConfigError
 
 #: Analysis name of tuning jobs.
 TUNE = "tune"
+#: Methods that train with FedAvg's tuned learning rate: their global model is FedAvg's (module docstring).
+TAKES_FEDAVG_RATE = frozenset({"fedsm", "fedsm-extra"})
 
 
 def tune_label(method: str, lr: float) -> str:
@@ -46,18 +54,28 @@ def tune_jobs(preset: Any) -> list[JobKey]:
         return []
     seed = preset.analysis_seeds[0]
     return [JobKey(tp.task, TUNE, tune_label(m, lr), seed)
-            for tp in preset.tasks for m in preset.methods for lr in preset.lr_grid]
+            for tp in preset.tasks for m in tuned_methods(preset.methods) for lr in preset.lr_grid]
+
+
+def tuned_methods(methods: tuple[str, ...] | list[str]) -> list[str]:
+    """The methods a preset tunes: its own, with FedSM's family replaced by FedAvg (order kept, no repeats)."""
+    out: list[str] = []
+    for method in methods:
+        tuned = "fedavg" if method in TAKES_FEDAVG_RATE else method
+        if tuned not in out:
+            out.append(tuned)
+    return out
 
 
 def tuned_method(key: JobKey) -> str:
     """Which main method's tuned learning rate a job trains with.
 
-    The lam sweep and the personalization variants are FedSM runs; the unseen-site jobs use
-    their own method's.
+    The lam sweep and the personalization variants are FedSM runs, and FedSM's family takes
+    FedAvg's rate (:data:`TAKES_FEDAVG_RATE`); the unseen-site jobs use their own method's.
     """
     if key.analysis == "lam" or (key.analysis == "personalization" and key.method.startswith("fedsm")):
-        return "fedsm"
-    return key.method
+        return "fedavg"
+    return "fedavg" if key.method in TAKES_FEDAVG_RATE else key.method
 
 
 def tuning_score(method: str, result: Mapping[str, Any]) -> float:

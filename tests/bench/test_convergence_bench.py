@@ -15,6 +15,7 @@ from engine.bench.tuning import (
     tune_jobs,
     tune_label,
     tuned_method,
+    tuned_methods,
     tuning_score,
 )
 from engine.errors import ConfigError
@@ -60,11 +61,17 @@ def test_tuning_labels_and_jobs():
         parse_tune_label("fedavg")
     preset = get_preset("cpu-converged")
     jobs = tune_jobs(preset)
-    assert len(jobs) == len(preset.tasks) * len(preset.methods) * len(preset.lr_grid)
+    # FedSM's family takes FedAvg's rate (its global model is FedAvg's): FedAvg is tuned, FedSM is not
+    assert "fedsm" in preset.methods and "fedavg" in preset.methods
+    tuned = {parse_tune_label(j.method)[0] for j in jobs}
+    assert "fedavg" in tuned and not tuned & {"fedsm", "fedsm-extra"}
+    assert len(jobs) == len(preset.tasks) * len(tuned) * len(preset.lr_grid)
+    assert tuned_methods(("fedsm", "centralized", "fedsm-extra")) == ["fedavg", "centralized"]
     assert {j.seed for j in jobs} == {preset.analysis_seeds[0]}
-    assert tuned_method(JobKey("fundus", "lam", "lam0.30", 0)) == "fedsm"
-    assert tuned_method(JobKey("fundus", "personalization", "fedsm-apfl", 0)) == "fedsm"
-    assert tuned_method(JobKey("fundus", "unseen", "fedavg", 0)) == "fedavg"
+    assert tuned_method(JobKey("fundus", "lam", "lam0.30", 0)) == "fedavg"
+    assert tuned_method(JobKey("fundus", "personalization", "fedsm-apfl", 0)) == "fedavg"
+    assert tuned_method(JobKey("fundus", "main", "fedsm", 0)) == "fedavg"
+    assert tuned_method(JobKey("fundus", "unseen", "fedprox", 0)) == "fedprox"
 
 
 def test_tuning_picks_the_best_validation_score_per_method():
