@@ -334,7 +334,6 @@ class FederationRunner:
             self.events.status(f"resuming after round {resume.round} of {total}")
         else:
             state, first = self.method.initial_state(), 1
-            self.directions = DirectionMemory(self.robust.direction_memory)
         if first > total:
             return state  # a finished run: nothing left to do
         self.wait_for_sites(grid)
