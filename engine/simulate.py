@@ -229,9 +229,11 @@ class Simulation:
         return per_site, client_avg, pooled
 
     def _round_summaries(self, records: list[Any]) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
-        # ``direction``: each site's cosine against the others' median, where the robust aggregation judged it
+        # ``direction``: each site's cosine against the others' median, where the robust aggregation read it, with
+        # the sites' median change size and whether the round counted as evidence (engine.fl.robust.DirectionMemory)
+        keys = ("direction", "direction_size", "direction_judged")
         rounds = [{"round": r.round, "answered": r.answered, "failed": r.failed, "wall_s": round(r.wall_s, 3),
-                   "metrics": r.metrics, **({"direction": r.direction} if getattr(r, "direction", None) else {})}
+                   "metrics": r.metrics, **{key: getattr(r, key) for key in keys if getattr(r, key, None)}}
                   for r in records]
         per_site: dict[str, dict[str, float]] = {}
         for s in self.sites:

@@ -13,7 +13,8 @@ seconds), ``source`` (``"site"`` or ``"server"``) and ``site`` (the site it is a
 ``batch``       ``round``, ``batch``, ``batches``, ``loss`` (name -> float), ``method``
 ``metrics``     ``round``, ``loss`` (name -> float), ``dice`` (global/personalized/local)
 ``sent``        ``round``, ``bytes``, ``contents`` (tensors per part, num_examples, metric names)
-``round_end``   ``round``, ``rounds``, ``wall_s`` (server: ``answered``, ``left_out``, ``direction``)
+``round_end``   ``round``, ``rounds``, ``wall_s`` (server: ``answered``, ``left_out``, ``direction``,
+                ``direction_size``, ``direction_judged``)
 ``error``       ``message``, optional ``round``
 ``checkpoint``  ``round``, ``path`` (server)
 ``finished``    ``rounds``

@@ -19,7 +19,7 @@ from typing import Any
 from engine.errors import CancelledError, FedSMError, WeightsError
 from engine.fl.exchange import ExchangeMethod, Failure, Reply, tensor_bytes
 from engine.fl.methods import FederatedMethod, SiteInstructions, SiteRuntime, SiteUpdate, WeightSet
-from engine.fl.robust import DirectionMemory, RobustSettings, UpdateScreen, aggregate_leaving_out
+from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 from engine.fl.weights import payload_bytes
 from engine.fl.wire_precision import DownCache, decode_down, decode_up, encode_down, encode_up
 
@@ -42,6 +42,9 @@ class RoundRecord:
     site_train_s: dict[str, float] = field(default_factory=dict)
     #: ``{part: {site: cosine}}``: each site's change against the others' median (engine.fl.robust), when judged
     direction: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: ``{part: size}``: the sites' median change, and ``{part: bool}``: whether the round counted as evidence
+    direction_size: dict[str, float] = field(default_factory=dict)
+    direction_judged: dict[str, bool] = field(default_factory=dict)
 
 
 def weightset_bytes(weights: WeightSet) -> int:
@@ -83,7 +86,7 @@ def run_rounds(
     state = method.initial_state() if state is None else state
     records: list[RoundRecord] = []
     screen = None if robust is None else UpdateScreen(robust)
-    directions = None if robust is None else DirectionMemory(robust.direction_memory)  # evidence over the run
+    directions = None if robust is None else robust.direction_memory_for_run()  # evidence over the run
     for rnd in range(first_round, rounds + 1):
         if cancel is not None and cancel():
             raise CancelledError(f"{method.name}: cancelled before round {rnd}")
@@ -143,7 +146,7 @@ def run_rounds(
                         rnd, len(updates), len(sites), min_sites)
         record = RoundRecord(rnd, sorted(updates), failed, to_site, from_site,
                              {s: u.metrics for s, u in updates.items()}, time.perf_counter() - start, train_s,
-                             directions.cosines.get(rnd, {}) if directions is not None else {})
+                             **({} if directions is None else directions.round_record(rnd)))
         records.append(record)
         if progress:
             progress({"event": "round_end", "method": method.name, "round": rnd, "rounds": rounds,

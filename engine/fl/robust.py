@@ -44,7 +44,11 @@ screens every decoded, shape-checked update (:func:`screen_update`):
   is compared with the coordinate-wise median of the *other* sites' changes; a site whose cosine with
   it, averaged over the run's rounds (:class:`DirectionMemory`, ``direction_memory``), is below
   ``min_cosine`` is left out of the round with an ``error`` event. The others' median is a consensus
-  one attacker cannot carry when at least four sites answer; with fewer there is no check.
+  one attacker cannot carry when at least four sites answer; with fewer there is no check. A round
+  counts as evidence only while the sites are still moving the part together: their median change at
+  least ``direction_min_change`` of its largest in the run so far, and their median cosine above 0.
+  Near convergence, with a decaying learning rate, honest changes are small and stop sharing a
+  direction, and a site's reach is small too (the clip holds it to twice the median change).
 
 Optionally ``aggregation = "median"`` or ``"trimmed_mean"`` (with ``trim``, the fraction cut at
 each end, default 0.2) replaces the weighted mean of the parts that FedAvg, FedProx and FedSM's
@@ -91,7 +95,7 @@ SHARED_PARTS = ("global", "selector")
 #: Fewest answering sites for the direction check: three others, so that one site cannot carry their median.
 MIN_SITES_FOR_DIRECTION = 4
 _KEYS = {"max_relative_update", "norm_action", "num_examples", "num_examples_growth", "max_num_examples",
-         "aggregation", "trim", "max_reply_mb", "clip", "min_cosine", "direction_memory"}
+         "aggregation", "trim", "max_reply_mb", "clip", "min_cosine", "direction_memory", "direction_min_change"}
 #: Default ``clip``: each part's change at most this many times the round's median change norm (per
 #: sqrt(sample count) for the trained parts; 0: off). 2: honest sites are left alone (cpu-small fundus
 #: and prostate, 3 seeds: the same Dice as no clipping), a site pushing x5 is held to about twice its
@@ -104,9 +108,20 @@ MIN_COSINE = -0.07
 #: (an exponential moving average of its cosines; 0: this round alone). An honest site's cosine can dip far
 #: below ``min_cosine`` for a round or two late in a run (FedProx on cpu-small fundus: -0.306) after rounds of
 #: agreement; a site that flips its change is below it from its first flipped round on. 0.8 keeps every honest
-#: site and leaves out every flipped site in every cpu-small round measured (5-6 rounds), but not near
-#: convergence in long runs, where honest changes stop sharing a direction (docs/results.md, "Longer runs").
+#: site and leaves out every flipped site in every cpu-small round measured (5-6 rounds; docs/results.md,
+#: "Robust aggregation").
 DIRECTION_MEMORY = 0.8
+#: Default ``direction_min_change``: a round's cosines count as direction evidence only while the sites' median
+#: change of the part (per sqrt of sample count) is at least this share of its largest in the run so far (0: every
+#: round). Near convergence with a decaying learning rate (cpu-converged, cosine decay) honest changes shrink to a
+#: few percent of the first rounds' and their directions stop agreeing: judged there, honest sites drift below
+#: ``min_cosine`` (FedAvg fundus: 28 of 360 site-rounds from round 48) while a site already left out would drift
+#: back in. In the rounds not judged the evidence stays as it was (docs/results.md, "Longer runs").
+DIRECTION_MIN_CHANGE = 0.4
+#: A round counts as direction evidence only when the sites' median cosine is above this: with no shared direction
+#: there is nothing to oppose (honest cpu-converged fundus, seed 2: median cosine -0.03...+0.01 from round 29,
+#: while the changes were still 0.4 of the first rounds').
+MIN_CONSENSUS = 0.0
 
 
 class UpdateRejected(WeightsError):
@@ -130,6 +145,8 @@ class RobustSettings:
     min_cosine: float = MIN_COSINE
     #: weight of a site's earlier rounds in the direction evidence judged against ``min_cosine`` (0: this round alone)
     direction_memory: float = DIRECTION_MEMORY
+    #: a round is direction evidence only while the median change is at least this share of the run's largest (0: all)
+    direction_min_change: float = DIRECTION_MIN_CHANGE
     #: largest reply a site may upload, MiB (0: twice the method's largest legitimate reply, at least 128 MiB)
     max_reply_mb: float = 0.0
 
@@ -171,13 +188,21 @@ class RobustSettings:
         if direction_memory >= 1:
             raise ConfigError(f"{where}: direction_memory = {direction_memory} must be below 1 (the weight of "
                               "earlier rounds; 0: this round alone)")
+        direction_min_change = number("direction_min_change", DIRECTION_MIN_CHANGE, 0.0)
+        if direction_min_change > 1:
+            raise ConfigError(f"{where}: direction_min_change = {direction_min_change} must be a share between 0 "
+                              "(every round is evidence) and 1")
         return cls(max_relative_update=number("max_relative_update", MAX_RELATIVE_UPDATE, 1e-12),
                    norm_action=action, num_examples=dict(declared),
                    num_examples_growth=number("num_examples_growth", 1.0, 1.0),
                    max_num_examples=number("max_num_examples", MAX_NUM_EXAMPLES, 1, integer=True),
                    aggregation=aggregation, trim=trim, max_reply_mb=number("max_reply_mb", 0.0, 0.0),
                    clip=number("clip", CLIP_TO_MEDIAN, 0.0), min_cosine=min_cosine,
-                   direction_memory=direction_memory)
+                   direction_memory=direction_memory, direction_min_change=direction_min_change)
+
+    def direction_memory_for_run(self, history: list[Mapping[str, Any]] | None = None) -> DirectionMemory:
+        """A run's :class:`DirectionMemory` with these settings (rebuilt from ``history`` when resuming)."""
+        return DirectionMemory.from_history(self.direction_memory, history or [], self.direction_min_change)
 
 
 def _norm(weights: Mapping[str, torch.Tensor]) -> float:
@@ -349,42 +374,95 @@ class DirectionMemory:
     evidence ``e = memory * e_before + (1 - memory) * cosine`` (its first cosine alone in its first judged
     round, so a site that flips from round 1 is left out of round 1). A site that agreed for many rounds
     and then flips is left out after a few rounds however long it agreed (with 0.8, the fifth flipped round
-    after evidence of +0.3, at cosine -0.3). The cosines are kept per round (:attr:`cosines`), so a round
-    judged again (a repeated attempt) replaces its earlier reading, and a resumed coordinator rebuilds the
-    evidence from its checkpoint's history (:meth:`from_history`).
+    after evidence of +0.3, at cosine -0.3).
+
+    A round adds to the evidence of a part only while the sites are still moving it together: its median
+    change size (:func:`direction_readings`) at least ``min_change`` times the largest of the run so far, and
+    the median of its cosines above :data:`MIN_CONSENSUS`. In the other rounds every site's evidence stays as
+    it was, so a site left out stays out and an honest site is not
+    judged on the noise of tiny late changes. The readings are kept per round (:attr:`cosines`,
+    :attr:`sizes`), so a round judged again (a repeated attempt) replaces its earlier reading, and a resumed
+    coordinator rebuilds the evidence from its checkpoint's history (:meth:`from_history`).
     """
 
-    def __init__(self, memory: float = DIRECTION_MEMORY) -> None:
+    def __init__(self, memory: float = DIRECTION_MEMORY, min_change: float = DIRECTION_MIN_CHANGE) -> None:
         self.memory = memory
-        #: ``{round: {part: {site: cosine}}}``, every round judged so far
+        self.min_change = min_change
+        #: ``{round: {part: {site: cosine}}}``, every round read so far
         self.cosines: dict[int, dict[str, dict[str, float]]] = {}
+        #: ``{round: {part: median change size}}`` of those rounds (absent: the round counts as evidence)
+        self.sizes: dict[int, dict[str, float]] = {}
 
     @classmethod
-    def from_history(cls, memory: float, history: list[Mapping[str, Any]]) -> DirectionMemory:
-        """The evidence of a resumed run: the ``direction`` cosines of each round record that has them."""
-        out = cls(memory)
+    def from_history(cls, memory: float, history: list[Mapping[str, Any]],
+                     min_change: float = DIRECTION_MIN_CHANGE) -> DirectionMemory:
+        """The evidence of a resumed run: the ``direction`` readings of each round record that has them."""
+        out = cls(memory, min_change)
         for record in history:
-            cosines = record.get("direction")
-            if isinstance(record.get("round"), int) and isinstance(cosines, Mapping):
-                out.cosines[record["round"]] = {str(part): {str(site): float(c) for site, c in by_site.items()}
-                                                for part, by_site in cosines.items() if isinstance(by_site, Mapping)}
+            rnd, cosines, sizes = record.get("round"), record.get("direction"), record.get("direction_size")
+            if isinstance(rnd, int) and isinstance(cosines, Mapping):
+                out.cosines[rnd] = {str(part): {str(site): float(c) for site, c in by_site.items()}
+                                    for part, by_site in cosines.items() if isinstance(by_site, Mapping)}
+                if isinstance(sizes, Mapping):
+                    out.sizes[rnd] = {str(part): float(size) for part, size in sizes.items()}
         return out
 
-    def observe(self, rnd: int, cosines: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
-        """Record round ``rnd``'s cosines; return the evidence after it for each site judged in it."""
+    def forget(self, rnd: int) -> None:
+        """Drop round ``rnd``'s reading (an attempt of it that is not judged after all)."""
+        self.cosines.pop(rnd, None)
+        self.sizes.pop(rnd, None)
+
+    def observe(self, rnd: int, cosines: Mapping[str, Mapping[str, float]],
+                sizes: Mapping[str, float] | None = None) -> dict[str, dict[str, float]]:
+        """Record round ``rnd``'s cosines (and median change size per part); return the evidence after it for
+        each site read in it that has any (a site read only in rounds that are not evidence has none)."""
         self.cosines[rnd] = {part: dict(by_site) for part, by_site in cosines.items()}
+        if sizes is not None:
+            self.sizes[rnd] = dict(sizes)
         evidence = self.evidence(rnd)
-        return {part: {site: evidence[part][site] for site in by_site} for part, by_site in cosines.items()}
+        return {part: {site: evidence[part][site] for site in by_site if site in evidence.get(part, {})}
+                for part, by_site in cosines.items()}
+
+    def judged(self, through: int) -> dict[int, dict[str, bool]]:
+        """``{round: {part: counts as evidence}}`` for the rounds read up to ``through``."""
+        out: dict[int, dict[str, bool]] = {}
+        largest: dict[str, float] = {}
+        for rnd in sorted(r for r in self.cosines if r <= through):
+            sizes = self.sizes.get(rnd, {})
+            out[rnd] = {}
+            for part, by_site in self.cosines[rnd].items():
+                shared = not by_site or statistics.median(by_site.values()) > MIN_CONSENSUS
+                size = sizes.get(part)
+                if size is None:  # a reading from before sizes were kept (an older checkpoint): judged as it was
+                    out[rnd][part] = True
+                    continue
+                largest[part] = max(largest.get(part, 0.0), size)
+                out[rnd][part] = shared and size >= self.min_change * largest[part]
+        return out
 
     def evidence(self, through: int) -> dict[str, dict[str, float]]:
-        """``{part: {site: evidence}}`` over the rounds judged up to ``through``, in round order."""
+        """``{part: {site: evidence}}`` over the rounds that count as evidence up to ``through``, in round order."""
         out: dict[str, dict[str, float]] = {}
-        for rnd in sorted(r for r in self.cosines if r <= through):
-            for part, by_site in self.cosines[rnd].items():
+        for rnd, parts in self.judged(through).items():
+            for part, judged in parts.items():
                 seen = out.setdefault(part, {})
-                for site, cosine in by_site.items():
+                if not judged:
+                    continue
+                for site, cosine in self.cosines[rnd][part].items():
                     before = seen.get(site)
                     seen[site] = cosine if before is None else self.memory * before + (1 - self.memory) * cosine
+        return out
+
+    def round_record(self, rnd: int) -> dict[str, Any]:
+        """Round ``rnd``'s readings as they are kept in a round record (``direction``: cosines,
+        ``direction_size``: median change size per part, ``direction_judged``: whether it counted); ``{}``
+        when the round was not read."""
+        if rnd not in self.cosines:
+            return {}
+        out: dict[str, Any] = {"direction": {part: dict(by_site) for part, by_site in self.cosines[rnd].items()}}
+        if rnd in self.sizes:
+            out["direction_size"] = dict(self.sizes[rnd])
+            out["direction_judged"] = self.judged(rnd)[rnd]
         return out
 
 
@@ -393,7 +471,7 @@ def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[st
     """Sites whose change of a shared part (:data:`SHARED_PARTS`) points against the other sites', with the reason.
 
     Each site's change (its part minus what it was sent) is compared with the coordinate-wise median
-    of the other sites' changes of that part (:func:`direction_cosines`); the round's cosines join the
+    of the other sites' changes of that part (:func:`direction_readings`); the round's cosines join the
     run's evidence (``directions``, :class:`DirectionMemory`; ``None``: this round's cosine alone), and an
     evidence below ``min_cosine`` marks the site. Needs :data:`MIN_SITES_FOR_DIRECTION` sites sending the
     part (three others, so that one site cannot carry their median), and a method whose shared parts are
@@ -403,35 +481,53 @@ def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[st
     """
     if min_cosine <= -1 or len(updates) < MIN_SITES_FOR_DIRECTION or method.name not in mean_aggregation_methods():
         if directions is not None:
-            directions.cosines.pop(rnd, None)  # an earlier attempt of this round with more sites no longer counts
+            directions.forget(rnd)  # an earlier attempt of this round with more sites no longer counts
         return {}
-    cosines = direction_cosines(method, state, updates)
-    evidence = (directions if directions is not None else DirectionMemory(0.0)).observe(rnd, cosines)
+    cosines, sizes = direction_readings(method, state, updates)
+    memory = directions if directions is not None else DirectionMemory(0.0, 0.0)
+    evidence = memory.observe(rnd, cosines, sizes)
+    judged = memory.judged(rnd).get(rnd, {})
     reasons: dict[str, str] = {}
     for part, by_site in cosines.items():
         for site, cosine in by_site.items():
-            judged = evidence[part][site]
-            if judged < min_cosine and site not in reasons:
-                over = "" if judged == cosine else f", {judged:.3f} over the rounds so far"
-                reasons[site] = (f"update rejected: the {part} update from {site} points against the other sites' "
-                                 f"(cosine {cosine:.3f} with the coordinate-wise median of their changes{over}, "
-                                 f"below [robust] min_cosine = {min_cosine:g})")
-                log.info("%s", reasons[site])
+            judged_by = evidence[part].get(site)
+            if judged_by is None or judged_by >= min_cosine or site in reasons:
+                continue
+            if not judged.get(part, True):
+                why = (f"its evidence over the earlier rounds is {judged_by:.3f}; this round's cosine, {cosine:.3f}, "
+                       "does not count: the sites' changes are small now or share no direction ([robust] "
+                       "direction_min_change)")
+            else:
+                over = "" if judged_by == cosine else f", {judged_by:.3f} over the rounds so far"
+                why = f"cosine {cosine:.3f} with the coordinate-wise median of their changes{over}"
+            reasons[site] = (f"update rejected: the {part} update from {site} points against the other sites' "
+                             f"({why}, below [robust] min_cosine = {min_cosine:g})")
+            log.info("%s", reasons[site])
     return reasons
 
 
 def direction_cosines(method: FederatedMethod, state: WeightSet,
                       updates: Mapping[str, SiteUpdate]) -> dict[str, dict[str, float]]:
-    """``{part: {site: cosine}}``: each site's change of a shared part against the others' coordinate-wise median.
+    """``{part: {site: cosine}}`` of :func:`direction_readings`."""
+    return direction_readings(method, state, updates)[0]
+
+
+def direction_readings(method: FederatedMethod, state: WeightSet, updates: Mapping[str, SiteUpdate]
+                       ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """``({part: {site: cosine}}, {part: size})``: each site's change of a shared part against the others'
+    coordinate-wise median, and the sites' median change size of the part.
 
     The median leaves the site itself out: with it in, the median takes the site's own value in a
     share of the coordinates, which lifts every site's cosine (cpu-small fundus: honest sites >= 0.25,
     and a flipped large site near 0 instead of negative). All sites' leave-one-out medians come from
     one sort per tensor (:func:`_leave_one_out_medians`), in float32, the lower middle value for an even
     count of others. A site that did not change the part, or a zero median, gives 1.0 (nothing to oppose).
+    A site's change size is its norm per square root of its sample count, as :func:`clip_to_median`
+    compares them.
     """
     references = {site: method.expected_update_shapes(state, site) for site in updates}
     out: dict[str, dict[str, float]] = {}
+    sizes: dict[str, float] = {}
     for part in SHARED_PARTS:
         sites = [site for site, u in updates.items() if part in u.weights and part in references[site]]
         if len(sites) < MIN_SITES_FOR_DIRECTION:
@@ -449,7 +545,9 @@ def direction_cosines(method: FederatedMethod, state: WeightSet,
                 median_sq[i] += float(median @ median)
         out[part] = {site: dots[i] / math.sqrt(own[i] * median_sq[i]) if own[i] > 0 and median_sq[i] > 0 else 1.0
                      for i, site in enumerate(sites)}
-    return out
+        sizes[part] = statistics.median(math.sqrt(own[i] / max(updates[site].num_samples, 1))
+                                        for i, site in enumerate(sites))
+    return out, sizes
 
 
 def _leave_one_out_medians(rows: torch.Tensor) -> list[torch.Tensor]:

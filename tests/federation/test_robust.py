@@ -271,6 +271,7 @@ def test_a_site_that_reverses_its_update_is_left_out_by_default(datalists, tmp_p
     assert "points against the other sites'" in end["left_out"]["site5"]
     # the round's cosines travel in its round_end event (and the checkpoint's history, for a resume)
     assert end["direction"]["global"]["site5"] < -0.07 < min(end["direction"]["global"][s] for s in SITES5[:4])
+    assert end["direction_judged"] == {"global": True} and end["direction_size"]["global"] > 0  # round 1 counts
     assert any(e["event"] == "error" and e.get("site") == "site5" and "min_cosine" in e["message"] for e in events)
     # ... and the new model is the four honest sites' aggregate, as if site5 had not answered
     replies = {r.content["fedsm"]["site"]: r.content for r in grid.sent}

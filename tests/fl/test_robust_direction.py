@@ -14,8 +14,9 @@ from engine.tasks import FUNDUS
 NAMES = [f"site{k + 1}" for k in range(5)]
 
 
-def _updates(state, signs, counts=(10, 10, 10, 10, 10), shared=1.0):
-    """Each site's change: a direction all sites share (``shared`` of it) plus its own noise of the same size."""
+def _updates(state, signs, counts=(10, 10, 10, 10, 10), shared=1.0, scale=1.0):
+    """Each site's change: a direction all sites share (``shared`` of it) plus its own noise of the same size,
+    all times ``scale``."""
     generator = torch.Generator().manual_seed(0)
     common = {k: torch.randn(v.shape, generator=generator) * 1e-3 for k, v in state["global"].items()
               if v.dtype.is_floating_point}
@@ -25,7 +26,7 @@ def _updates(state, signs, counts=(10, 10, 10, 10, 10), shared=1.0):
         for k, v in state["global"].items():
             if k in common:
                 own = torch.randn(v.shape, generator=generator) * 1e-3
-                weights[k] = v + sign * (shared * common[k] + own)
+                weights[k] = v + sign * scale * (shared * common[k] + own)
             else:
                 weights[k] = v
         out[site] = SiteUpdate({"global": weights}, count, {})
@@ -151,3 +152,55 @@ def test_a_site_that_dips_after_agreeing_is_kept_but_a_site_that_keeps_flipping_
     assert opposed_sites(method, state, three, -0.07, left_out_at, memory) == {} and left_out_at not in memory.cosines
     # a site flipping from its first judged round is left out of that round
     assert list(opposed_sites(method, state, flipped, -0.07, 1, DirectionMemory(0.8))) == ["site5"]
+
+
+def test_rounds_of_small_changes_leave_the_evidence_as_it_was(tiny_training):
+    """Near convergence honest changes shrink and stop sharing a direction: such rounds are read and kept in
+    the record, but do not count, so an honest site is not left out on their noise and a site left out stays out."""
+    from engine.fl.robust import DirectionMemory
+
+    method = FedAvg(FUNDUS, NAMES, tiny_training, seed=0)
+    state = method.initial_state()
+    memory = DirectionMemory(0.8, 0.25)
+    assert list(opposed_sites(method, state, _updates(state, [1, 1, 1, 1, -1]), -0.07, 1, memory)) == ["site5"]
+    before = memory.evidence(1)
+    # round 2: every change a tenth of round 1's; site1 now points against the others, site5 with them
+    small = _updates(state, [-1, 1, 1, 1, 1], scale=0.1)
+    reasons = opposed_sites(method, state, small, -0.07, 2, memory)
+    assert list(reasons) == ["site5"] and "direction_min_change" in reasons["site5"]
+    assert memory.cosines[2]["global"]["site1"] < -0.5  # read, and kept in the round's record ...
+    assert memory.evidence(2) == before  # ... but not counted: site1 kept, site5 still out
+    record = memory.round_record(2)
+    assert record["direction_judged"] == {"global": False}
+    assert record["direction_size"]["global"] == pytest.approx(0.1 * memory.sizes[1]["global"], rel=1e-4)
+    assert memory.round_record(1)["direction_judged"] == {"global": True}
+    # a quarter of the largest change so far counts again (and so does a round read without its size)
+    assert list(opposed_sites(method, state, _updates(state, [-1, 1, 1, 1, 1], scale=0.3), -0.07, 3, memory)) \
+        == ["site5"] and memory.judged(3)[3] == {"global": True}
+    assert memory.evidence(3)["global"]["site1"] < before["global"]["site1"]
+    # a resumed coordinator judges on the same evidence, from the rounds' records
+    history = [{"round": r, **memory.round_record(r)} for r in (1, 2, 3)]
+    assert DirectionMemory.from_history(0.8, history, 0.25).evidence(3) == memory.evidence(3)
+    # 0: every round counts (the rule before sizes were read): site1 and site5 swap places in round 2
+    every = DirectionMemory(0.0, 0.0)
+    opposed_sites(method, state, _updates(state, [1, 1, 1, 1, -1]), -0.07, 1, every)
+    assert list(opposed_sites(method, state, small, -0.07, 2, every)) == ["site1"]
+    assert RobustSettings().direction_min_change == 0.4
+
+
+def test_a_round_whose_sites_share_no_direction_does_not_count():
+    from engine.fl.robust import DirectionMemory
+
+    memory = DirectionMemory(0.8, 0.4)
+    agree = {"global": {"a": 0.3, "b": 0.2, "c": 0.25, "d": -0.5}}
+    assert memory.observe(1, agree, {"global": 1.0})["global"]["d"] == -0.5
+    # round 2, as large: most cosines at or below 0 (a median of -0.05), nothing the sites share to oppose
+    assert memory.observe(2, {"global": {"a": -0.3, "b": -0.1, "c": 0.05, "d": 0.4}}, {"global": 1.0}) == agree
+    assert memory.judged(2)[2] == {"global": False}
+    assert memory.observe(3, agree, {"global": 0.9})["global"]["a"] == pytest.approx(0.3)  # shared again: counts
+    # a round read before sizes were kept (an older checkpoint's record) counts as it did then
+    assert DirectionMemory.from_history(0.8, [{"round": 1, "direction": {"global": {"a": -0.2, "b": -0.1}}}]
+                                        ).judged(1) == {1: {"global": True}}
+    assert RobustSettings.from_dict({"direction_min_change": 0}).direction_memory_for_run().min_change == 0.0
+    with pytest.raises(Exception, match="direction_min_change"):
+        RobustSettings.from_dict({"direction_min_change": 1.5})

@@ -34,7 +34,7 @@ from engine.federation.flower.final_evaluation import ACTION, decode_evaluation,
 from engine.federation.flower.grid_exchange import QUERY, TRAIN, exchange
 from engine.federation.flower.run_confirmation import DECLINED
 from engine.fl.methods import SiteInstructions, SiteUpdate
-from engine.fl.robust import DirectionMemory, RobustSettings, UpdateScreen, aggregate_leaving_out
+from engine.fl.robust import RobustSettings, UpdateScreen, aggregate_leaving_out
 from engine.fl.wire_precision import DownCache, decode_up, encode_down
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ class FederationRunner:
         self.robust = RobustSettings()
         self.screen = UpdateScreen(self.robust, lambda site, message: self.events.error(message, site=site))
         #: each site's direction evidence over the run (engine.fl.robust), rebuilt from the history on resume
-        self.directions = DirectionMemory(self.robust.direction_memory)
+        self.directions = self.robust.direction_memory_for_run()
         #: sites whose operator declined this run (engine.federation.flower.run_confirmation): absent for the
         #: rest of the run, final evaluation included
         self.declined: set[str] = set()
@@ -189,7 +189,7 @@ class FederationRunner:
         """Use the ``[robust]`` table of ``federation.toml`` (:class:`engine.fl.robust.RobustSettings`)."""
         self.robust = RobustSettings.from_dict(table)
         self.screen.settings = self.robust
-        self.directions = DirectionMemory(self.robust.direction_memory)
+        self.directions = self.robust.direction_memory_for_run()
 
     # --- sites -------------------------------------------------------------------------
     def _check_cancel(self) -> None:
@@ -330,7 +330,7 @@ class FederationRunner:
             state, first = resume.state, resume.round + 1
             self.history = list(resume.history)
             # the direction evidence of the rounds already run (engine.fl.robust.DirectionMemory)
-            self.directions = DirectionMemory.from_history(self.robust.direction_memory, self.history)
+            self.directions = self.robust.direction_memory_for_run(self.history)
             self.events.status(f"resuming after round {resume.round} of {total}")
         else:
             state, first = self.method.initial_state(), 1
@@ -382,16 +382,15 @@ class FederationRunner:
                   "wall_s": round(wall_s, 3), "train_s": result.train_s,
                   "bytes_to_sites": sum(result.bytes_to.values()),
                   "bytes_from_sites": sum(result.bytes_from.values())}
-        if rnd in self.directions.cosines:  # kept in the checkpoint: a resumed run judges on the same evidence
-            record["direction"] = {part: dict(by_site)
-                                   for part, by_site in self.directions.cosines[rnd].items()}
+        # kept in the checkpoint: a resumed run judges on the same evidence
+        record.update(self.directions.round_record(rnd))
         self.history.append(record)
         writer.submit(Checkpoint(rnd, state, self.spec_json, self.session, self.app_hash, list(self.history)),
                       self.checkpoint_path)
         self.events.emit("round_end", round=rnd, rounds=total, method=self.method.name,
                          wall_s=round(wall_s, 3), answered=record["answered"], left_out=result.left_out,
                          train_s=result.train_s,
-                         **({"direction": record["direction"]} if "direction" in record else {}))
+                         **{key: value for key, value in record.items() if key.startswith("direction")})
         return state
 
     def announce_finished(self, grid: Grid, timeout: float = 10.0) -> None:
