@@ -477,13 +477,18 @@ def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[st
     part (three others, so that one site cannot carry their median), and a method whose shared parts are
     the sites' plain weighted mean (the catalogue's ``mean_aggregation``): Scaffold's control variates turn
     each site's change its own way (honest cosines down to -0.80 on cpu-small), so it is not judged by
-    direction.
+    direction. A round that cannot be read (fewer sites, or no shared part) keeps out the sites whose
+    evidence from the earlier rounds is below ``min_cosine`` (:func:`_standing_verdict`).
     """
-    if min_cosine <= -1 or len(updates) < MIN_SITES_FOR_DIRECTION or method.name not in mean_aggregation_methods():
-        if directions is not None:
-            directions.forget(rnd)  # an earlier attempt of this round with more sites no longer counts
+    if min_cosine <= -1 or method.name not in mean_aggregation_methods():
         return {}
-    cosines, sizes = direction_readings(method, state, updates)
+    cosines, sizes = direction_readings(method, state, updates) if len(updates) >= MIN_SITES_FOR_DIRECTION \
+        else ({}, {})
+    if not cosines:  # too few sites to read, or no shared part in the round (FedSM's last, statistics round)
+        if directions is None:
+            return {}
+        directions.forget(rnd)  # an earlier attempt of this round with more sites no longer counts
+        return _standing_verdict(directions, updates, min_cosine, rnd)
     memory = directions if directions is not None else DirectionMemory(0.0, 0.0)
     evidence = memory.observe(rnd, cosines, sizes)
     judged = memory.judged(rnd).get(rnd, {})
@@ -503,6 +508,25 @@ def opposed_sites(method: FederatedMethod, state: WeightSet, updates: Mapping[st
             reasons[site] = (f"update rejected: the {part} update from {site} points against the other sites' "
                              f"({why}, below [robust] min_cosine = {min_cosine:g})")
             log.info("%s", reasons[site])
+    return reasons
+
+
+def _standing_verdict(directions: DirectionMemory, updates: Mapping[str, SiteUpdate], min_cosine: float,
+                      rnd: int) -> dict[str, str]:
+    """The sites of ``updates`` whose evidence from the earlier rounds is below ``min_cosine``, with the reason.
+
+    A round that cannot be read (fewer than four sites, or no shared part: FedSM's last round carries each
+    site's validation Dice, confidence histogram and style statistics, which set the routing threshold and
+    the routing rule for every site) does not let a site left out by its direction back in.
+    """
+    reasons: dict[str, str] = {}
+    for part, by_site in directions.evidence(rnd).items():
+        for site, judged_by in by_site.items():
+            if site in updates and judged_by < min_cosine and site not in reasons:
+                reasons[site] = (f"update rejected: the {part} updates from {site} pointed against the other sites' "
+                                 f"over the run (evidence {judged_by:.3f}, below [robust] min_cosine = "
+                                 f"{min_cosine:g}); its answer to round {rnd} is not used either")
+                log.info("%s", reasons[site])
     return reasons
 
 

@@ -147,9 +147,18 @@ def test_a_site_that_dips_after_agreeing_is_kept_but_a_site_that_keeps_flipping_
     assert left_out_at <= 5, left_out_at
     reason = opposed_sites(method, state, flipped, -0.07, left_out_at, memory)["site5"]
     assert "over the rounds so far" in reason and "min_cosine = -0.07" in reason
-    # a repeated attempt of the round with too few sites to judge leaves no reading of it behind
+    # a repeated attempt of the round with too few sites to read leaves no reading of it behind (site5's evidence
+    # before it was above the bound) ...
     three = {s: flipped[s] for s in ("site1", "site2", "site5")}
     assert opposed_sites(method, state, three, -0.07, left_out_at, memory) == {} and left_out_at not in memory.cosines
+    # ... and once its evidence is below, site5 stays out of rounds that cannot be read: too few sites, or no
+    # shared part (FedSM's last round, whose statistics set the routing for every site)
+    assert list(opposed_sites(method, state, flipped, -0.07, left_out_at, memory)) == ["site5"]
+    standing = opposed_sites(method, state, three, -0.07, left_out_at + 1, memory)
+    assert list(standing) == ["site5"] and "over the run" in standing["site5"]
+    statistics_only = {s: SiteUpdate({}, 10, {}) for s in NAMES}
+    assert list(opposed_sites(method, state, statistics_only, -0.07, left_out_at + 1, memory)) == ["site5"]
+    assert opposed_sites(method, state, statistics_only, -0.07, left_out_at + 1) == {}  # no run evidence: no verdict
     # a site flipping from its first judged round is left out of that round
     assert list(opposed_sites(method, state, flipped, -0.07, 1, DirectionMemory(0.8))) == ["site5"]
 
