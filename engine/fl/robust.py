@@ -379,10 +379,10 @@ class DirectionMemory:
     A round adds to the evidence of a part only while the sites are still moving it together: its median
     change size (:func:`direction_readings`) at least ``min_change`` times the largest of the run so far, and
     the median of its cosines above :data:`MIN_CONSENSUS`. In the other rounds every site's evidence stays as
-    it was, so a site left out stays out and an honest site is not
-    judged on the noise of tiny late changes. The readings are kept per round (:attr:`cosines`,
-    :attr:`sizes`), so a round judged again (a repeated attempt) replaces its earlier reading, and a resumed
-    coordinator rebuilds the evidence from its checkpoint's history (:meth:`from_history`).
+    it was, so a site left out stays out and an honest site is not judged on the noise of tiny late changes.
+    The readings are kept per round (:attr:`cosines`, :attr:`sizes`), so a round judged again (a repeated
+    attempt) replaces its earlier reading, and a resumed coordinator rebuilds the evidence from its
+    checkpoint's history (:meth:`from_history`).
     """
 
     def __init__(self, memory: float = DIRECTION_MEMORY, min_change: float = DIRECTION_MIN_CHANGE) -> None:
@@ -417,6 +417,7 @@ class DirectionMemory:
         """Record round ``rnd``'s cosines (and median change size per part); return the evidence after it for
         each site read in it that has any (a site read only in rounds that are not evidence has none)."""
         self.cosines[rnd] = {part: dict(by_site) for part, by_site in cosines.items()}
+        self.sizes.pop(rnd, None)  # an earlier attempt's size
         if sizes is not None:
             self.sizes[rnd] = dict(sizes)
         evidence = self.evidence(rnd)
