@@ -76,20 +76,27 @@ class Attacker:
         return SiteUpdate(weights, update.num_samples, update.metrics)
 
 
+def attacked_simulation(attack: str, attacker: str) -> type:
+    """A :class:`~engine.simulate.Simulation` whose ``attacker`` site answers as ``attack`` says (:data:`ATTACKS`;
+    ``none``: honestly)."""
+    from engine.simulate import Simulation
+
+    class AttackedSimulation(Simulation):
+        def _build_method(self, name: str) -> Any:
+            built = super()._build_method(name)
+            return built if attack == "none" else Attacker(built, attacker, ATTACKS[attack])
+
+    return AttackedSimulation
+
+
 def run_one(method: str, seed: int, rule: str, attack: str, args: argparse.Namespace) -> dict[str, float]:
-    from engine.simulate import Simulation, SimulationConfig
+    from engine.simulate import SimulationConfig
 
     out = args.out / f"{method}-s{seed}-{rule}-{attack}"
     result_path = out / "result.json"
     if result_path.exists():
         return json.loads(result_path.read_text())
-    factor = ATTACKS[attack]
-
-    class AttackedSimulation(Simulation):
-        def _build_method(self, name: str) -> Any:
-            built = super()._build_method(name)
-            return built if attack == "none" else Attacker(built, args.attacker, factor)
-
+    AttackedSimulation = attacked_simulation(attack, args.attacker)
     size, rounds, slices = TASKS[args.task]
     cfg = SimulationConfig(task=args.task, sites=6, rounds=args.rounds or rounds, methods=(method,), image_size=size,
                            seed=seed, device="cpu", robust=RULES[rule], data_dir=str(args.out / f"data-s{seed}"),

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from robust_aggregation import ATTACKS, Attacker  # the same attacker as the cpu-small study
+from robust_aggregation import attacked_simulation  # the same attacker as the cpu-small study
 
 #: ``cpu-converged``'s tasks: image size, rounds, slices per volume, FedAvg's tuned learning rate
 TASKS = {"fundus": (64, 60, None, 3e-3), "prostate": (32, 150, 6, 1e-3)}
 
 
 def run_one(task: str, method: str, seed: int, attack: str, args: argparse.Namespace) -> dict[str, Any]:
-    from engine.simulate import Simulation, SimulationConfig
+    from engine.simulate import SimulationConfig
 
     size, rounds, slices, lr = TASKS[task]
     rounds = args.rounds or rounds
@@ -41,13 +41,7 @@ def run_one(task: str, method: str, seed: int, attack: str, args: argparse.Names
     result_path = out / "result.json"
     if result_path.exists():
         return json.loads(result_path.read_text())
-    factor = ATTACKS[attack]
-
-    class AttackedSimulation(Simulation):
-        def _build_method(self, name: str) -> Any:
-            built = super()._build_method(name)
-            return built if attack == "none" else Attacker(built, args.attacker, factor)
-
+    AttackedSimulation = attacked_simulation(attack, args.attacker)
     cfg = SimulationConfig(task=task, sites=6, rounds=rounds, methods=(method,), image_size=size, seed=seed,
                            device="cpu", data_dir=str(args.out / f"data-{task}-s{seed}"), selector_width=16,
                            slices=slices, lr=lr, lr_schedule="cosine", lr_min_ratio=0.01, loss="dicece",
