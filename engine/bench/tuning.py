@@ -73,9 +73,8 @@ def tuned_method(key: JobKey) -> str:
     The lam sweep and the personalization variants are FedSM runs, and FedSM's family takes
     FedAvg's rate (:data:`TAKES_FEDAVG_RATE`); the unseen-site jobs use their own method's.
     """
-    if key.analysis == "lam" or (key.analysis == "personalization" and key.method.startswith("fedsm")):
-        return "fedavg"
-    return "fedavg" if key.method in TAKES_FEDAVG_RATE else key.method
+    fedsm_run = key.analysis == "lam" or (key.analysis == "personalization" and key.method.startswith("fedsm"))
+    return "fedavg" if fedsm_run or key.method in TAKES_FEDAVG_RATE else key.method
 
 
 def tuning_score(method: str, result: Mapping[str, Any]) -> float:

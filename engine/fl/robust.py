@@ -531,12 +531,6 @@ def _standing_verdict(directions: DirectionMemory, updates: Mapping[str, SiteUpd
     return reasons
 
 
-def direction_cosines(method: FederatedMethod, state: WeightSet,
-                      updates: Mapping[str, SiteUpdate]) -> dict[str, dict[str, float]]:
-    """``{part: {site: cosine}}`` of :func:`direction_readings`."""
-    return direction_readings(method, state, updates)[0]
-
-
 def direction_readings(method: FederatedMethod, state: WeightSet, updates: Mapping[str, SiteUpdate]
                        ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """``({part: {site: cosine}}, {part: size})``: each site's change of a shared part against the others'
