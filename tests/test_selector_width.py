@@ -31,6 +31,28 @@ def test_parameters_scale_with_the_square_of_the_width_and_the_paper_width_is_vg
     assert tuple(logits.shape) == (2, 3)
 
 
+def test_the_default_is_width_16_at_its_measured_rate_and_the_papers_64_keeps_the_papers_rate():
+    from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
+    from engine.fl.method_spec import TrainingSettings, settings_problems
+
+    assert DEFAULT_SELECTOR_WIDTH == 16
+    assert LocalTrainingConfig().selector_width == 16 and LocalTrainingConfig().selector_lr == 3e-3
+    assert LocalTrainingConfig(selector_width=64).selector_lr == 1e-3  # the paper's selector, the paper's rate
+    assert LocalTrainingConfig(selector_width=64, selector_lr=5e-4).selector_lr == 5e-4
+    settings = TrainingSettings()
+    assert settings.local_training("fedsm", "cpu").selector_lr == 3e-3
+    assert settings.local_training("fedsm-extra", "cpu").selector_lr == 1e-5  # its per-batch scheme's rate
+    paper = TrainingSettings(selector_width=64)
+    assert paper.local_training("fedsm", "cpu").selector_lr == 1e-3
+    # a site's [bounds] judge a null selector_lr at the rate the run will train with
+    def limit(key):
+        return 2e-3 if key == "max_selector_lr" else None
+
+    run = {"method": "fedsm", "task": "fundus", "site_names": ["site1", "site2"], "selector_lr": None}
+    assert any("selector_lr" in p for p in settings_problems(run, limit))
+    assert settings_problems({**run, "selector_width": 64}, limit) == []
+
+
 @pytest.mark.parametrize("width", [0, 12, 128, True, "16"])
 def test_other_widths_are_refused_with_the_choices(width):
     with pytest.raises(ConfigError, match=r"selector_width must be one of \(8, 16, 32, 64\)"):

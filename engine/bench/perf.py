@@ -41,6 +41,7 @@ from monai.losses import DiceLoss
 from engine.bench.cache import code_version
 from engine.bench.jobs import resolved_device
 from engine.bundle import BundleMetadata, SuperModelBundle
+from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
 from engine.data.site_data import SplitArrays
 from engine.device import resolve_device
 from engine.federation.inprocess import weightset_bytes
@@ -114,7 +115,7 @@ def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str
     nets = [build_segmentation_net(task.in_channels, task.out_channels) for _ in range(2)]
     for net in nets:
         net.load_state_dict(unet)
-    sel = build_selector(task.in_channels, num_sites)
+    sel = build_selector(task.in_channels, num_sites, width=int(selector["features.0.weight"].shape[0]))
     sel.load_state_dict(selector)
     models = [m.to(device).train() for m in [*nets, sel]]
     fused = {"fused": True} if fused_adam else {}
@@ -152,7 +153,7 @@ def measure_throughput(size: int, batch_size: int, selector_size: int, device_na
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device=device_name)
     data = _random_split(batch_size * batches, 3, 2, size)
     unet = model_weights(build_segmentation_net(3, 2))
-    selector = model_weights(build_selector(3, PERF_SITES))
+    selector = model_weights(build_selector(3, PERF_SITES, width=DEFAULT_SELECTOR_WIDTH))
     ctx = RoundContext("perf", 1, "site1")
 
     def engine_round(r: int) -> None:
@@ -194,10 +195,11 @@ def _random_bundle(size: int, selector_size: int) -> Any:
     torch.manual_seed(0)
     names = [f"site{k + 1}" for k in range(PERF_SITES)]
     meta = BundleMetadata(task="fundus", label_names=["disc", "cup"], in_channels=3, image_size=size,
-                          selector_size=selector_size, site_names=names, normalisation="rgb/255", gamma=0.5)
+                          selector_size=selector_size, site_names=names, normalisation="rgb/255", gamma=0.5,
+                          selector_width=DEFAULT_SELECTOR_WIDTH)
     return SuperModelBundle(meta, model_weights(build_segmentation_net(3, 2)),
                             {n: model_weights(build_segmentation_net(3, 2)) for n in names},
-                            model_weights(build_selector(3, PERF_SITES)))
+                            model_weights(build_selector(3, PERF_SITES, width=DEFAULT_SELECTOR_WIDTH)))
 
 
 def measure_routed_inference(size: int, selector_size: int, device_name: str = "cpu",
@@ -308,7 +310,7 @@ def _measure_round_memory(kind: str, size: int, batch_size: int, selector_size: 
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cpu")
     data = _random_split(images, 3, 2, size)
     unet = model_weights(build_segmentation_net(3, 2))
-    selector = model_weights(build_selector(3, PERF_SITES))
+    selector = model_weights(build_selector(3, PERF_SITES, width=DEFAULT_SELECTOR_WIDTH))
     ctx = RoundContext("perf", 1, "site1")
     # Load up front what a round loads on first use (MONAI's losses, the optimizers' compile
     # machinery, device probing), so the round's figure is the round's memory, not imports'.
@@ -387,7 +389,7 @@ def measure_cuda(size: int, batch_size: int, selector_size: int) -> dict[str, An
     cfg = LocalTrainingConfig(batch_size=batch_size, selector_size=selector_size, device="cuda")
     data = _random_split(batch_size * PERF_BATCHES, 3, 2, size)
     unet = model_weights(build_segmentation_net(3, 2))
-    selector = model_weights(build_selector(3, PERF_SITES))
+    selector = model_weights(build_selector(3, PERF_SITES, width=DEFAULT_SELECTOR_WIDTH))
     ctx = RoundContext("perf", 1, "site1")
     for kind in ("fedavg", "fedsm"):
         torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from engine import catalogue
+from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
 from engine.errors import ConfigError
 
 #: Methods of the BlackFed comparison (its paper's Tables 2-3), in table order.
@@ -101,9 +102,9 @@ class BenchPreset:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float | None = None  # None: 1e-3 for FedSM's reference selector, 1e-5 per-batch
+    selector_lr: float | None = None  # None: the reference selector's default for its width, 1e-5 per-batch
     selector_size: int = 32
-    selector_width: int = 64  # the selector's VGG-11 backbone width (the paper's 64)
+    selector_width: int = DEFAULT_SELECTOR_WIDTH  # the selector's VGG-11 backbone width (the paper's 64)
     gamma: float = 0.6
     prox_mu: float = 0.01
     lam_values: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -207,10 +208,11 @@ PRESETS: dict[str, BenchPreset] = {
     ),
     "paper": BenchPreset(
         name="paper",
-        description="The paper's scale: 256 x 256, 150 rounds, 1 local epoch; meant for a GPU",
+        description="The paper's scale: 256 x 256, 150 rounds, 1 local epoch, the paper's VGG-11 selector (width "
+                    "64); meant for a GPU",
         tasks=(TaskPreset("fundus", sites=6, image_size=256, rounds=150, lam=0.7),
                TaskPreset("prostate", sites=6, image_size=256, rounds=150, slices=12, lam=0.3)),
-        seeds=(0, 1, 2), batch_size=8, analysis_seeds=(0, 1, 2), perf_image_size=256,
+        seeds=(0, 1, 2), batch_size=8, analysis_seeds=(0, 1, 2), perf_image_size=256, selector_width=64,
         fediod_seeds=(0, 1, 2), fediod_steps=3000, fediod_epsilons=(1.0, 8.0, 64.0), fediod_teacher_epochs=100,
     ),
     "fediod-cpu": BenchPreset(

@@ -554,7 +554,8 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
            "each training seed has its own synthetic data, generated with the same seed (seed 1 trains on data "
            "seed 1), so a finding that holds on every seed holds on three draws of the data."),
         f"- Training: {preset.epochs} local epoch(s) per round, batch {preset.batch_size}, Adam lr {preset.lr}, "
-        f"selector lr {preset.selector_lr or 'default (1e-3 reference scheme, 1e-5 per-batch)'} on "
+        f"selector width {preset.selector_width}, selector lr "
+        f"{preset.selector_lr or 'default (reference scheme: 1e-3 at width 64, 3e-3 narrower; 1e-5 per-batch)'} on "
         f"{preset.selector_size} px inputs, gamma {preset.gamma}, FedProx mu "
         f"{preset.prox_mu}; U-Net lr schedule {preset.lr_schedule}"
         + (f" (down to {preset.lr_min_ratio} x lr)" if preset.lr_schedule == "cosine" else "")

@@ -74,8 +74,12 @@ SELECTOR_HEADS = ("gap", "classic")
 #: Selector backbone widths (:data:`engine.models.selector.SELECTOR_WIDTHS`, repeated here so that reading a
 #: bundle's metadata needs no torch; tests/bundle check that the two agree).
 SELECTOR_WIDTHS = (8, 16, 32, 64)
-#: The selector width a run trains with when none is given (the paper's VGG-11 is 64).
-DEFAULT_SELECTOR_WIDTH = 64
+#: The selector width a run trains with when none is given: 16, a quarter of the paper's VGG-11 (64,
+#: one option away: ``--selector-width 64``). Chosen by measurement (docs/results.md, "16-bit on the wire
+#: and the selector's width"): through the routing a bundle applies (site-style gate, ``auto`` site
+#: routing) width 16 routes seen and unseen sites as width 64 does, and sends 1/15 of its bytes.
+#: A bundle's metadata without the field is the paper's 64 (:class:`SuperModelMeta`).
+DEFAULT_SELECTOR_WIDTH = 16
 #: How a FedSM bundle's personalized models were trained: SoftPull (the paper's) or one of the
 #: alternatives of its Table 6, trained inside FedSM (:mod:`engine.fl.personalization`).
 PERSONALIZATION_RULES = ("softpull", "finetune", "apfl", "perfedavg", "pfedme")

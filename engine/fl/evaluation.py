@@ -63,9 +63,11 @@ def segment_with(task: TaskSpec, weights: Mapping[str, torch.Tensor], images: np
 def selector_probabilities(task: TaskSpec, weights: Mapping[str, torch.Tensor], num_classes: int,
                            images: np.ndarray, selector_size: int, head: str = "gap",
                            device: str = "auto", batch_size: int = 64) -> np.ndarray:
-    """Softmax output ``float32 (N, num_classes)`` of a selector on already normalised images."""
+    """Softmax output ``float32 (N, num_classes)`` of a selector on already normalised images (its width
+    read from ``weights``)."""
     dev = Device.resolve(device)
-    net = build_selector(task.in_channels, num_classes, head)  # type: ignore[arg-type]
+    net = build_selector(task.in_channels, num_classes, head,  # type: ignore[arg-type]
+                         int(weights["features.0.weight"].shape[0]))
     net.load_state_dict(weights)
     net.to(dev.torch_device).eval()
     small = resize_images(images, selector_size)

@@ -41,6 +41,7 @@ from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import CancelledError, ConfigError
 from engine.fl.aggregation import proximal_penalty
+from engine.fl.selector_schemes import default_selector_lr
 from engine.fl.training_options import LR_SCHEDULES, SEGMENTATION_LOSSES, SELECTOR_BN_MODES
 from engine.fl.weights import Weights, clone_weights
 from engine.models import build_segmentation_net, build_selector
@@ -111,15 +112,17 @@ class LocalTrainingConfig:
     lr
         Adam learning rate of the segmentation networks.
     selector_lr
-        Adam learning rate of the model selector (the paper's 1e-3 for the reference scheme;
-        the per-batch ``lda`` scheme is run with 1e-5).
+        Adam learning rate of the model selector; ``None``: the reference scheme's default for
+        ``selector_width`` (the paper's 1e-3 at width 64, 3e-3 narrower:
+        :func:`engine.fl.selector_schemes.default_selector_lr`; runs from settings resolve it there,
+        the per-batch ``lda`` scheme to 1e-5).
     selector_size
         Side in pixels of the images the selector sees.
     selector_head
         ``"gap"`` (default) or ``"classic"`` (VGG's 25088-4096-4096 head, comparison only).
     selector_width
-        The selector backbone's first convolution width (the paper's 64 by default; 8, 16 or 32
-        for a narrower VGG-11, :mod:`engine.models.selector`).
+        The selector backbone's first convolution width (:data:`DEFAULT_SELECTOR_WIDTH`, 16, by
+        default; the paper's is 64; 8 and 32 also, :mod:`engine.models.selector`).
     selector_epochs
         Reference scheme: passes over the site's images per round, one Adam step after each
         (the reference's ``fedsm_select_epochs``, default 1: one step per round).
@@ -154,7 +157,7 @@ class LocalTrainingConfig:
     epochs: int = 1
     batch_size: int = 8
     lr: float = 1e-3
-    selector_lr: float = 1e-3
+    selector_lr: float | None = None
     selector_size: int = 32
     selector_head: str = "gap"
     selector_width: int = DEFAULT_SELECTOR_WIDTH
@@ -171,6 +174,8 @@ class LocalTrainingConfig:
         if self.selector_width not in SELECTOR_WIDTHS:
             raise ConfigError(f"selector_width must be one of {SELECTOR_WIDTHS} (the paper's VGG-11 is 64), "
                               f"got {self.selector_width!r}")
+        if self.selector_lr is None:
+            object.__setattr__(self, "selector_lr", default_selector_lr("none", None, self.selector_width))
         if self.lr_schedule not in LR_SCHEDULES:
             raise ConfigError(f"unknown lr_schedule {self.lr_schedule!r}; choose from {', '.join(LR_SCHEDULES)}")
         if not 0.0 < self.lr_min_ratio <= 1.0:

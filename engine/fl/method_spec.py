@@ -204,7 +204,7 @@ class TrainingSettings:
 
         return LocalTrainingConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                    selector_lr=effective_selector_lr(method, self.selector_calibration,
-                                                                     self.selector_lr),
+                                                                     self.selector_lr, self.selector_width),
                                    selector_size=self.selector_size, selector_epochs=int(self.selector_epochs),
                                    selector_bn=self.selector_bn, selector_head=self.selector_head,
                                    selector_width=self.selector_width, prox_mu=self.prox_mu, device=device,
@@ -308,10 +308,11 @@ def default_lam(task: str, num_sites: int) -> float:
     return max(DEFAULT_LAM[task], 1.0 / max(num_sites, 1))
 
 
-def effective_selector_lr(method: str | None, selector_calibration: str, selector_lr: float | None) -> float:
+def effective_selector_lr(method: str | None, selector_calibration: str, selector_lr: float | None,
+                          selector_width: int) -> float:
     """The selector's learning rate a run trains with (FedSM-extra keeps the per-batch scheme's)."""
     per_batch = method in catalogue.method_names() and catalogue.method(method).per_batch_selector
-    return default_selector_lr("lda" if per_batch else selector_calibration, selector_lr)
+    return default_selector_lr("lda" if per_batch else selector_calibration, selector_lr, selector_width)
 
 
 def training_rounds(settings: Mapping[str, Any]) -> int:
@@ -401,8 +402,9 @@ def _resolve_defaults(values: dict[str, Any]) -> None:
         if values.get("extra_rounds") is None and isinstance(values.get("rounds"), int):
             values["extra_rounds"] = extra_rounds_default(values["rounds"])
         if values.get("selector_lr") is None:
-            values["selector_lr"] = effective_selector_lr(str(values.get("method")),
-                                                          str(values.get("selector_calibration")), None)
+            values["selector_lr"] = effective_selector_lr(
+                str(values.get("method")), str(values.get("selector_calibration")), None,
+                int(values.get("selector_width", DEFAULT_SELECTOR_WIDTH)))
     except (ConfigError, TypeError, ValueError):
         return  # an unknown method or scheme has no default to resolve; its own bound reports it
 

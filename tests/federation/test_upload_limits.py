@@ -106,10 +106,15 @@ def test_the_coordinators_reply_limit_follows_the_method():
 
     state = method.initial_state()
     limit = reply_limit_for(method, state, spec.site_names)
-    # every part a FedSM site sends (U-Nets, VGG-11 selector and, with the reference-trained
-    # selector, its optimizer state), doubled, plus 16 MiB
+    # every part a FedSM site sends (U-Nets, the width-16 VGG-11 selector and, with the reference-trained
+    # selector, its optimizer state; float32 here), doubled, plus 16 MiB, and never below the floor
     largest = sum(payload_bytes(w) for w in method.expected_update_shapes(state, "s1").values())
-    assert largest > 40 * 10**6 and limit == max(2 * largest + 16 * 2**20, MIN_REPLY_LIMIT)
+    assert largest > 15 * 10**6 and limit == max(2 * largest + 16 * 2**20, MIN_REPLY_LIMIT)
+    paper = build_method(MethodSpec(method="fedsm", task="fundus", site_names=("s1", "s2"), rounds=1, image_size=32,
+                                    selector_width=64), "cpu")
+    paper_largest = sum(payload_bytes(w) for w in paper.expected_update_shapes(paper.initial_state(), "s1").values())
+    assert paper_largest > 40 * 10**6
+    assert reply_limit_for(paper, paper.initial_state(), spec.site_names) == 2 * paper_largest + 16 * 2**20
     assert limit < 600 * 10**6  # the 600 MB upload of issue 16 is refused
     # a dialogue method's replies are activations, not models: no per-reply limit is derived
     blackfed = build_method(MethodSpec(method="blackfed-v1", task="fundus", site_names=("s1", "s2"), rounds=1,

@@ -18,11 +18,13 @@ def _ctx():
 
 
 def _weights(seed: int):
+    from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
     from engine.fl.weights import model_weights
     from engine.models import build_segmentation_net, build_selector
 
     torch.manual_seed(seed)
-    return {"global": model_weights(build_segmentation_net(3, 2)), "selector": model_weights(build_selector(3, 2))}
+    return {"global": model_weights(build_segmentation_net(3, 2)),
+            "selector": model_weights(build_selector(3, 2, width=DEFAULT_SELECTOR_WIDTH))}
 
 
 def _max_distance(a, b) -> float:

@@ -27,6 +27,7 @@ def site_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_demo_site_reports_one_sites_real_traffic(site_workdir):
+    from engine.bundle.supermodel import DEFAULT_SELECTOR_WIDTH
     from engine.fl.selector_training import initial_optimizer_state
     from engine.fl.weights import payload_bytes
     from engine.fl.wire_precision import encode_down
@@ -48,8 +49,8 @@ def test_demo_site_reports_one_sites_real_traffic(site_workdir):
         return payload_bytes(encode_down({"p": weights}, {"p"})["p"])
 
     unet = on_wire(build_segmentation_net(3, 2).state_dict())
-    selector = on_wire(build_selector(3, 3, "gap").state_dict())
-    moments = on_wire(initial_optimizer_state(build_selector(3, 3, "gap")))
+    selector = on_wire(build_selector(3, 3, "gap", DEFAULT_SELECTOR_WIDTH).state_dict())
+    moments = on_wire(initial_optimizer_state(build_selector(3, 3, "gap", DEFAULT_SELECTOR_WIDTH)))
     assert received[0]["bytes"] == sent[0]["bytes"] == 2 * unet + selector + moments
     assert set(received[0]["contents"]) == {"global", "personal", "selector", "selector_optim"}
     assert set(received[1]["contents"]) == {"global", "personal", "selector"}
