@@ -315,3 +315,32 @@ def test_a_supernode_stuck_in_its_own_exit_is_stopped_and_replaced(tmp_path, mon
         assert any(e["event"] == "disconnected" and e.get("reconnecting") for e in events)
     finally:
         supervisor.stop()
+
+
+def test_a_supernode_that_finished_gracefully_is_replaced_within_seconds(tmp_path, monkeypatch):
+    # After a coordinator restart Flower's SuperNode gives up, logs that it terminated gracefully, and its
+    # process lingers (5 s measured) before the site can reconnect. Prepare: a stand-in that logs that line and
+    # lingers; the ten-second grace for a stuck exit stays as it is
+    from engine.federation.flower import site as site_module
+
+    assert site_module.EXIT_GRACE_S >= 10 and site_module.GRACEFUL_EXIT_S <= 1
+    lingering = "import time; print('INFO :      SuperNode terminated gracefully.', flush=True); time.sleep(600)"
+    monkeypatch.setattr(site_module.SuperNodeSupervisor, "argv", lambda self: [sys.executable, "-c", lingering])
+    site = fedconfig.load_site_config(write_site_toml(tmp_path, "127.0.0.1:9093"), check_files=False)
+    events: list[dict] = []
+    writer = EventWriter("site", site.name, listener=events.append)
+    supervisor = site_module.SuperNodeSupervisor(site, False, 9997, writer, tmp_path / "sn.log")
+    try:
+        # Execute
+        started = time.monotonic()
+        supervisor.start()
+        first = supervisor.child
+        while supervisor.child is first and time.monotonic() - started < 30:
+            time.sleep(0.1)
+        replaced_after = time.monotonic() - started
+        # Assert: stopped after the short grace (+ the 2 s restart pause), not after EXIT_GRACE_S
+        assert supervisor.child is not first and first is not None and not first.running()
+        assert replaced_after < site_module.EXIT_GRACE_S, replaced_after
+        assert any(e["event"] == "disconnected" and e.get("reconnecting") for e in events)
+    finally:
+        supervisor.stop()
