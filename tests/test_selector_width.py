@@ -9,7 +9,7 @@ from engine.bundle.supermodel import SELECTOR_WIDTHS as BUNDLE_WIDTHS
 from engine.errors import ConfigError
 from engine.federation.spec import MethodSpec
 from engine.fl.local_training import LocalTrainingConfig
-from engine.models.selector import PAPER_WIDTH, SELECTOR_WIDTHS, build_selector, count_parameters
+from engine.models.selector import PAPER_WIDTH, SELECTOR_WIDTHS, build_selector, count_parameters, width_of
 
 
 def test_the_bundle_accepts_exactly_the_widths_the_selector_builds():
@@ -24,6 +24,7 @@ def test_parameters_scale_with_the_square_of_the_width_and_the_paper_width_is_vg
     assert [m.out_channels for m in narrow.features if hasattr(m, "out_channels")] == [16, 32, 64, 64, 128, 128,
                                                                                         128, 128]
     ratio = count_parameters(paper) / count_parameters(narrow)
+    assert width_of(paper.state_dict()) == 64 and width_of(narrow.state_dict()) == 16  # read back from weights
     assert 14 < ratio < 17  # the backbone's 16x, diluted a little by the head's fixed 256 units
     import torch
 

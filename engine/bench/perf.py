@@ -58,7 +58,7 @@ from engine.fl.weights import model_weights
 from engine.fl.wire_precision import encode_down, encode_up
 from engine.inference.predictor import SuperModelPredictor
 from engine.models import build_segmentation_net, build_selector
-from engine.models.selector import head_parameter_count
+from engine.models.selector import head_parameter_count, width_of
 from engine.tasks import FUNDUS
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def hand_written_fedsm_round(task: Any, unet: dict[str, Any], selector: dict[str
     nets = [build_segmentation_net(task.in_channels, task.out_channels) for _ in range(2)]
     for net in nets:
         net.load_state_dict(unet)
-    sel = build_selector(task.in_channels, num_sites, width=int(selector["features.0.weight"].shape[0]))
+    sel = build_selector(task.in_channels, num_sites, width=width_of(selector))
     sel.load_state_dict(selector)
     models = [m.to(device).train() for m in [*nets, sel]]
     fused = {"fused": True} if fused_adam else {}

@@ -11,6 +11,7 @@ from engine.data.preprocess import resize_images
 from engine.fl.local_training import Device
 from engine.models import build_selector
 from engine.models.segmentation import segmentation_net_holding
+from engine.models.selector import width_of
 from engine.tasks import TaskSpec
 
 
@@ -66,8 +67,7 @@ def selector_probabilities(task: TaskSpec, weights: Mapping[str, torch.Tensor], 
     """Softmax output ``float32 (N, num_classes)`` of a selector on already normalised images (its width
     read from ``weights``)."""
     dev = Device.resolve(device)
-    net = build_selector(task.in_channels, num_classes, head,  # type: ignore[arg-type]
-                         int(weights["features.0.weight"].shape[0]))
+    net = build_selector(task.in_channels, num_classes, head, width_of(weights))  # type: ignore[arg-type]
     net.load_state_dict(weights)
     net.to(dev.torch_device).eval()
     small = resize_images(images, selector_size)

@@ -13,6 +13,7 @@ its Adam moments (issue 33 measures routing against the paper's width before any
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import pairwise
 from typing import Literal
 
@@ -116,6 +117,11 @@ def build_selector(in_channels: int, num_classes: int, head: SelectorHead = "gap
                    width: int = PAPER_WIDTH) -> ModelSelector:
     """Build a model selector; see :class:`ModelSelector`."""
     return ModelSelector(in_channels, num_classes, head, width)
+
+
+def width_of(weights: Mapping[str, torch.Tensor]) -> int:
+    """The backbone width of a selector's weights: its first convolution's output channels."""
+    return int(weights["features.0.weight"].shape[0])
 
 
 def count_parameters(model: nn.Module) -> int:
