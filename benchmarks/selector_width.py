@@ -96,43 +96,44 @@ def product_routing(seen: list[Any], unseen: Any, seen_test_p: Any, unseen_p: An
         calibration_distances,
         distance_histogram,
         fit_style_gate,
+        route_by_style,
         style_descriptors,
         style_distances,
         style_statistics,
         threshold_from_histograms,
     )
+    from engine.inference.routing import route_fedsm
 
     gate = fit_style_gate([style_statistics(s.train.images) for s in seen])
     threshold = threshold_from_histograms([distance_histogram(calibration_distances(
         gate, k, s.train.images, s.train.case_ids, s.validation.images)) for k, s in enumerate(seen)], 0.95)
 
     def nearest_outside(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each image's nearest site (1..K) under the gate, and whether it lies beyond the threshold."""
         distance, nearest = style_distances(style_descriptors(images), gate)
-        return nearest, distance > threshold
+        return nearest + 1, distance > threshold
 
     # auto: the share of validation images each rule routes to their own site's model (the gate in front of both)
     own_selector, scored = 0.0, 0.0
     style_counts = []
     for k, s in enumerate(seen):
         val = s.validation.images if len(s.validation.images) else s.train.images
-        vp = probs(val)
-        own_selector += float(((vp.argmax(1) == k) & (vp.max(1) > gamma)).sum())
+        own_selector += float((route_fedsm(probs(val), gamma) == k + 1).sum())
         nearest, _ = nearest_outside(val)
-        style_counts.append(style_routing_statistics(nearest, k))
+        style_counts.append(style_routing_statistics(nearest - 1, k))
         scored += len(val)
     style = choose_site_routing(own_selector / scored, style_counts)["style"] > 0.5
 
     def routed(p: np.ndarray, images: np.ndarray) -> np.ndarray:
-        """Each image's routed site (0-based) or -1 for the global model."""
+        """Each image's routed model as a bundle picks it: 1..K a site's, 0 the global one."""
         nearest, outside = nearest_outside(images)
-        site = nearest if style else np.where(p.max(1) > gamma, p.argmax(1), -1)
-        return np.where(outside, -1, site)
+        return np.where(outside, 0, route_by_style(nearest, outside) if style else route_fedsm(p, gamma))
 
     test_images = np.concatenate([s.test.images for s in seen])
-    labels = np.concatenate([np.full(len(s.test.images), k) for k, s in enumerate(seen)])
+    labels = np.concatenate([np.full(len(s.test.images), k + 1) for k, s in enumerate(seen)])
     unseen_images = np.concatenate([unseen.train.images, unseen.validation.images, unseen.test.images])
     return {"gated_seen_own": float((routed(seen_test_p, test_images) == labels).mean()),
-            "gated_unseen_global": float((routed(unseen_p, unseen_images) == -1).mean()),
+            "gated_unseen_global": float((routed(unseen_p, unseen_images) == 0).mean()),
             "auto_style": float(style)}
 
 
