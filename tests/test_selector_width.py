@@ -14,6 +14,9 @@ from engine.models.selector import PAPER_WIDTH, SELECTOR_WIDTHS, build_selector,
 
 def test_the_bundle_accepts_exactly_the_widths_the_selector_builds():
     assert BUNDLE_WIDTHS == SELECTOR_WIDTHS and PAPER_WIDTH == 64 and PAPER_WIDTH in SELECTOR_WIDTHS
+    from engine.fl.selector_schemes import PAPER_SELECTOR_WIDTH
+
+    assert PAPER_SELECTOR_WIDTH == PAPER_WIDTH  # the torch-free copy the learning-rate default reads
 
 
 def test_parameters_scale_with_the_square_of_the_width_and_the_paper_width_is_vgg11():

@@ -288,6 +288,17 @@ def test_client_app_executor_checks_the_app_before_pulling_the_payload(tmp_path)
     assert errors and f"refused app {app_hash(OTHER_FAB)}" in errors[0]["message"]
 
 
+def _supervising(script: str, tmp_path, monkeypatch, coordinator_port: int, runtime_port: int):
+    """A site's SuperNode supervisor whose "SuperNode" is ``python -c script``, and the events it emits."""
+    from engine.federation.flower import site as site_module
+
+    monkeypatch.setattr(site_module.SuperNodeSupervisor, "argv", lambda self: [sys.executable, "-c", script])
+    site = fedconfig.load_site_config(write_site_toml(tmp_path, f"127.0.0.1:{coordinator_port}"), check_files=False)
+    events: list[dict] = []
+    writer = EventWriter("site", site.name, listener=events.append)
+    return site_module.SuperNodeSupervisor(site, False, runtime_port, writer, tmp_path / "sn.log"), events
+
+
 def test_a_supernode_stuck_in_its_own_exit_is_stopped_and_replaced(tmp_path, monkeypatch):
     # Flower's SuperNode exits by sending itself SIGINT; when two of its threads give up at once the second
     # signal interrupts the first one's exit and it hangs (seen after a coordinator restart). Prepare: a
@@ -297,11 +308,7 @@ def test_a_supernode_stuck_in_its_own_exit_is_stopped_and_replaced(tmp_path, mon
     monkeypatch.setattr(site_module, "EXIT_GRACE_S", 1.0)
     stuck = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
              "print('KeyboardInterrupt', flush=True); time.sleep(600)")
-    monkeypatch.setattr(site_module.SuperNodeSupervisor, "argv", lambda self: [sys.executable, "-c", stuck])
-    site = fedconfig.load_site_config(write_site_toml(tmp_path, "127.0.0.1:9092"), check_files=False)
-    events: list[dict] = []
-    writer = EventWriter("site", site.name, listener=events.append)
-    supervisor = site_module.SuperNodeSupervisor(site, False, 9998, writer, tmp_path / "sn.log")
+    supervisor, events = _supervising(stuck, tmp_path, monkeypatch, 9092, 9998)
     try:
         # Execute
         supervisor.start()
@@ -325,11 +332,7 @@ def test_a_supernode_that_finished_gracefully_is_replaced_within_seconds(tmp_pat
 
     assert site_module.EXIT_GRACE_S >= 10 and site_module.GRACEFUL_EXIT_S <= 1
     lingering = "import time; print('INFO :      SuperNode terminated gracefully.', flush=True); time.sleep(600)"
-    monkeypatch.setattr(site_module.SuperNodeSupervisor, "argv", lambda self: [sys.executable, "-c", lingering])
-    site = fedconfig.load_site_config(write_site_toml(tmp_path, "127.0.0.1:9093"), check_files=False)
-    events: list[dict] = []
-    writer = EventWriter("site", site.name, listener=events.append)
-    supervisor = site_module.SuperNodeSupervisor(site, False, 9997, writer, tmp_path / "sn.log")
+    supervisor, events = _supervising(lingering, tmp_path, monkeypatch, 9093, 9997)
     try:
         # Execute
         started = time.monotonic()
