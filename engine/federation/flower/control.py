@@ -21,10 +21,10 @@ from flwr.proto.control_pb2 import (
 )
 from flwr.supercore.control import ControlHttpClient
 from flwr.supercore.fab import Fab
-from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
 from engine.errors import FedSMError
 from engine.federation.flower.local_auth import interceptors
+from engine.federation.flower.runtime_api import version_interceptor
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ControlClient:
 
     def __init__(self, address: str, local_secret: str | None = None) -> None:
         self._client = ControlHttpClient.from_server_address(
-            address, True, None, interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI"),
+            address, True, None, interceptors=[version_interceptor("flwr CLI"),
                                                *interceptors(local_secret)])
 
     def close(self) -> None:

@@ -11,16 +11,12 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import Message
-from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest
 from flwr.proto.runtime_pb2 import PullAppMessagesRequest
-from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
-from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
-from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, inflate_object_from_contents
+from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
 from flwr.superlink.grid import HttpGrid
 
 from engine.federation.flower.local_auth import interceptors
-from engine.federation.flower.transfer import AbandonedTransfer, StalledTransfer, pull_objects_promptly
+from engine.federation.flower.transfer import AbandonedTransfer, StalledTransfer, confirm_received, pull_message
 from engine.federation.flower.upload_limits import REPLY_TO
 
 log = logging.getLogger(__name__)
@@ -105,28 +101,23 @@ class PromptHttpGrid(HttpGrid):
             def abandon(root: str = tree.object_id) -> str | None:
                 return refused.reason(root) if refused is not None else None
 
+            def confirm(msg_id: str = msg_id) -> None:
+                confirm_received(client.ConfirmMessageReceived, self.node, run_id, msg_id)
+
             try:
                 if abandon():  # refused before the coordinator asked: not one object is pulled
                     raise AbandonedTransfer(abandon())
-                contents = pull_objects_promptly([t.object_id for t in iterate_object_tree(tree)],
-                                                 make_pull_object_fn_protobuf(client.PullObject, self.node, run_id),
-                                                 stall_timeout=self.pull_timeout, cancel=self.cancel,
-                                                 abandon=abandon)
-            except (ObjectPullError, StalledTransfer, AbandonedTransfer) as exc:
+                message = pull_message(client.PullObject, self.node, run_id, tree, stall_timeout=self.pull_timeout,
+                                       cancel=self.cancel, abandon=abandon, on_pulled=confirm)
+            except (ObjectPullError, StalledTransfer, AbandonedTransfer, TypeError) as exc:
                 # the reply is gone for good; the round leaves the site out with the reason
                 self.failed_replies[proto.metadata.reply_to_message_id] = (
                     f"the coordinator refused its reply: {exc}" if isinstance(exc, AbandonedTransfer)
                     else f"its reply did not arrive whole: {exc}")
                 try:  # the SuperLink may drop what it holds of the reply
-                    client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(
-                        node=self.node, run_id=run_id, message_object_id=msg_id))
+                    confirm()
                 except Exception as confirm_error:  # best effort
                     log.debug("could not release reply %s: %s", msg_id, confirm_error)
                 continue
-            client.ConfirmMessageReceived(ConfirmMessageReceivedRequest(node=self.node, run_id=run_id,
-                                                                        message_object_id=msg_id))
-            message = inflate_object_from_contents(msg_id, contents)
-            if isinstance(message, Message):
-                message.metadata.__dict__["_message_id"] = msg_id
-                out.append(message)
+            out.append(message)
         return out

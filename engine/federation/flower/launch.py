@@ -157,9 +157,9 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
     the site sees the run, its expiry; the run id is then recorded with this Flower run in the
     site's ledger. A refusal prints ``FEDSM-REFUSED-SPEC <reason>``.
     """
-    from flwr.app import Error, Message
-    from flwr.common.constant import ErrorCode
     from flwr.supercore.run import RunNotRunningException
+
+    from engine.federation.flower.runtime_api import error_reply
 
     require_names(module, "_pull_and_store_message", "_insert_message")
     original = module._pull_and_store_message
@@ -179,7 +179,7 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
                     check_app_approved(fab.content, approved, site)
                 except AppNotApproved as exc:
                     say(f"{REFUSED_APP} {exc}")
-                    reply = Message(Error(ErrorCode.INVALID_FAB, str(exc)), reply_to=message)
+                    reply = error_reply(message, "app_not_approved", str(exc))
                     module._insert_message(reply, state, object_store)
                     return run_id
                 refusal, settings = _refuse_spec(policy, run_info, fab.content, run_id)
@@ -189,7 +189,7 @@ def guard_apps(module: Any, approved: list[str], site: str, report: Any = None,
                                                 float(policy.get("confirm_timeout", CONFIRM_WAIT_S)))
                 if refusal is not None:
                     say(f"{REFUSED_SPEC} {refusal}")
-                    reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, refusal), reply_to=message)
+                    reply = error_reply(message, "refused", refusal)
                     module._insert_message(reply, state, object_store)
                     return run_id
                 fetched_run, fetched_fab = run_info, fab

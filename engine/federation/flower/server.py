@@ -31,13 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from flwr.common.serde import context_from_proto, run_from_proto
-from flwr.proto.runtime_pb2 import AcquireTaskRequest, PullTaskInputRequest, PushTaskOutputRequest
-from flwr.supercore.constant import TaskType
-from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
-from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supercore.task_identity import TaskIdentity
 
 from engine.bundle import BundleMetadata, SuperModelBundle, save_bundle
 from engine.bundle.single import single_model_bundle
@@ -52,8 +45,15 @@ from engine.federation.flower.dialogue import DialogueRunner, dialogue_reply_lim
 from engine.federation.flower.final_evaluation import bundle_val_dice
 from engine.federation.flower.fleet_auth import write_keys
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
-from engine.federation.flower.local_auth import interceptors, new_secret
+from engine.federation.flower.local_auth import new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
+from engine.federation.flower.runtime_api import (
+    acquire_task,
+    finish_task,
+    runtime_client,
+    start_heartbeat,
+    take_task_input,
+)
 from engine.federation.flower.server_app import (
     FederationRunner,
     RegisteredSites,
@@ -143,15 +143,13 @@ def _superlink_args(cfg: FederationConfig, port: int, insecure: bool) -> list[st
 
 def _acquire_server_task(address: str, timeout: float = 60.0, local_secret: str | None = None) -> str:
     """The ServerApp task's token from the SuperLink's loopback listener (plain HTTP)."""
-    client = RuntimeHttpClient.from_server_address(
-        server_address=address, insecure=True, root_certificates=None,
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"), *interceptors(local_secret)])
+    client = runtime_client(address, "serverapp", local_secret)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
-            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.SERVER_APP]))
-            if res.HasField("task") and res.token:
-                return str(res.token)
+            token = acquire_task(client, "serverapp")
+            if token is not None:
+                return token
             time.sleep(0.1)
     finally:
         client.close()
@@ -284,7 +282,7 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         cfg.work_dir / "superlink.log", env={"FLWR_HOME": str(cfg.work_dir / "flower-home"), SECRET_ENV: secret},
         on_line=refused_replies.on_line)
     heartbeat = runtime = control = grid = None
-    status, details = "failed", "the coordinator stopped before the run ended"
+    completed, details = False, "the coordinator stopped before the run ended"
     try:
         superlink.start()
         superlink.wait_for_port("127.0.0.1", port, timeout=120)
@@ -308,24 +306,16 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
                                  run_id=run_id, lifetime_s=cfg.spec_lifetime)
         control.start_run(app.content, {RUN_CONFIG_KEY: envelope})
         token = _acquire_server_task(address, local_secret=secret)
-        runtime = RuntimeHttpClient.from_server_address(
-            server_address=address, insecure=True, root_certificates=None,
-            interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr-serverapp"),
-                          RuntimeTokenHttpInterceptor(token), *interceptors(secret)])
-        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(runtime))
-        heartbeat.start()
-        task_input = runtime.PullTaskInput(PullTaskInputRequest())
-        run = run_from_proto(task_input.run)
-        TaskIdentity.task_id = task_input.task_id
-        TaskIdentity.run_id = run.run_id
-        TaskIdentity.node_id = task_input.context.node_id
+        runtime = runtime_client(address, "serverapp", secret, token)
+        heartbeat = start_heartbeat(runtime)
+        task_input = take_task_input(runtime)
         grid = PromptHttpGrid(address, True, None, token=token)
         grid.local_secret = secret
         grid.pull_timeout = min(cfg.round_timeout, 60.0)
         grid.cancel = stop
         grid.refused = refused_replies
         grid.superlink_alive = superlink.running
-        grid.set_run(run)
+        grid.set_run(task_input.run)
         settings = RoundSettings(cfg.min_sites, cfg.round_timeout, cfg.start_timeout, cfg.round_attempts,
                                  cfg.poll_interval, cfg.rejoin_wait)
         runner_class = FederationRunner
@@ -338,25 +328,18 @@ def run_server(cfg: FederationConfig, *, events: EventWriter, insecure: bool = F
         runner.set_robust(cfg.robust)
         result: dict[str, Any] = {}
         try:
-            build_server_app(runner, checkpoint, result)(grid, context_from_proto(task_input.context))
+            build_server_app(runner, checkpoint, result)(grid, task_input.context)
         except httpx.TransportError as exc:
             raise lost_superlink(exc, superlink, cfg, grid.give_up_after) from None
         summary = write_results(cfg, method, result["state"], runner.history, session, app.hash,
                                 result.get("site_dice"), getattr(runner, "final_delivery", None))
-        status, details = "completed", ""
+        completed, details = True, ""
         return summary
     finally:
         if grid is not None:
             grid.close()
-        if runtime is not None:
-            try:
-                runtime.PushTaskOutput(PushTaskOutputRequest(sub_status=status, details=details))
-            except Exception as exc:  # the SuperLink may already be gone
-                log.warning("could not report the run's end to the SuperLink: %s", exc)
-        if heartbeat is not None and heartbeat.is_running:
-            heartbeat.stop()
-        if runtime is not None:
-            runtime.close()
+        if runtime is not None:  # the SuperLink may already be gone: best effort
+            finish_task(runtime, heartbeat, completed, details)
         if control is not None:
             control.close()
         superlink.stop()

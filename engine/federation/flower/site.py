@@ -25,14 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from flwr.app import Error, Message
-from flwr.common.constant import ErrorCode, SubStatus
-from flwr.proto.runtime_pb2 import AcquireTaskRequest
-from flwr.supercore.constant import TaskType
-from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
-from flwr.supercore.interceptors import RuntimeTokenHttpInterceptor, RuntimeVersionHttpInterceptor
-from flwr.supercore.runtime import RuntimeHttpClient
-from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
 from engine.data.datalist import outside_paths_allowed
 from engine.errors import CancelledError, ConfigError, FedSMError
@@ -40,9 +32,17 @@ from engine.federation.config import SiteConfig, check_site_files, is_loopback, 
 from engine.federation.events import EventWriter
 from engine.federation.flower.launch import REFUSED_APP, REFUSED_SPEC
 from engine.federation.flower.local_auth import ENV as SECRET_ENV
-from engine.federation.flower.local_auth import interceptors, new_secret
+from engine.federation.flower.local_auth import new_secret
 from engine.federation.flower.processes import ChildProcess, free_port, launcher_argv
 from engine.federation.flower.run_confirmation import FOLDER, pending, record
+from engine.federation.flower.runtime_api import (
+    acquire_task,
+    error_reply,
+    finish_task,
+    push_reply,
+    runtime_client,
+    start_heartbeat,
+)
 from engine.federation.flower.transfer import pull_task_header, pull_task_message, release_task_message
 from engine.federation.preflight import CoordinatorWatch, check_port_free, check_site_certificates, check_site_datalist
 from engine.io.masks import set_orientation_tolerance
@@ -282,12 +282,7 @@ class TaskExecutor:
         self.events = events
 
     def _client(self, token: str | None = None) -> Any:
-        chain: list[Any] = [RuntimeVersionHttpInterceptor(component_name="flwr-clientapp"),
-                            *interceptors(self.local_secret)]
-        if token is not None:
-            chain.append(RuntimeTokenHttpInterceptor(token))
-        return RuntimeHttpClient.from_server_address(server_address=self.address, insecure=True,
-                                                     root_certificates=None, interceptors=chain)
+        return runtime_client(self.address, "clientapp", self.local_secret, token)
 
     def _announce(self, settings: dict[str, Any]) -> bool:
         """Emit the run's settings once per run (``run_settings``: what the operator reviews); whether to train.
@@ -322,10 +317,9 @@ class TaskExecutor:
     def acquire(self, client: Any) -> str | None:
         """A task token if the SuperNode has a ClientApp task waiting."""
         try:
-            res = client.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP]))
+            return acquire_task(client, "clientapp")
         except httpx.TransportError:
             return None  # SuperNode (re)starting
-        return res.token if res.HasField("task") and res.token else None
 
     def run_task(self, token: str) -> None:
         """Take the task's header, check the app, only then pull the payload and answer; report the task's end.
@@ -336,10 +330,9 @@ class TaskExecutor:
         from engine.federation.flower.client_app import shareable_reason  # torch: only once a task runs
 
         client = self._client(token)
-        heartbeat = HeartbeatSender(make_task_heartbeat_fn_http(client))
-        heartbeat.start()
+        heartbeat = start_heartbeat(client)
         context = None
-        status, details = SubStatus.FAILED, "ClientApp task failed"
+        completed, details = False, "ClientApp task failed"
         try:
             task = pull_task_header(client)
             context, message = task.context, task.message
@@ -349,7 +342,7 @@ class TaskExecutor:
             except AppNotApproved as exc:
                 release_task_message(client, task)
                 self.events.error(str(exc))
-                reply = Message(Error(ErrorCode.INVALID_FAB, shareable_reason(exc, self.cfg.name)), reply_to=message)
+                reply = error_reply(message, "app_not_approved", shareable_reason(exc, self.cfg.name))
             else:
                 try:
                     # the run's signed settings, checked against [bounds] before the payload is pulled
@@ -362,9 +355,8 @@ class TaskExecutor:
                 except (RunSpecRefused, ConfigError) as exc:
                     release_task_message(client, task)
                     self.events.error(str(exc))
-                    reply = Message(Error(ErrorCode.MOD_FAILED_PRECONDITION, str(exc)), reply_to=message)
-                    push_message(client, reply, context)
-                    status, details = SubStatus.COMPLETED, ""
+                    push_reply(client, error_reply(message, "refused", str(exc)), context)
+                    completed, details = True, ""
                     return
                 try:
                     message = pull_task_message(client, task, cancel=self.worker.cancel)
@@ -374,15 +366,11 @@ class TaskExecutor:
                 except Exception as exc:  # any failure becomes an error reply, never a crash of the site
                     log.exception("task failed")
                     self.events.error(f"{type(exc).__name__}: {exc}")
-                    reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
-                                          shareable_reason(exc, self.cfg.name)), reply_to=message)
-            push_message(client, reply, context)
-            status, details = SubStatus.COMPLETED, ""
+                    reply = error_reply(message, "failed", shareable_reason(exc, self.cfg.name))
+            push_reply(client, reply, context)
+            completed, details = True, ""
         finally:
-            push_task_output(client, context, status, details)
-            if heartbeat.is_running:
-                heartbeat.stop()
-            client.close()
+            finish_task(client, heartbeat, completed, details, context)
         if self.worker.after_reply is not None:
             later, self.worker.after_reply = self.worker.after_reply, None
             later.emit()

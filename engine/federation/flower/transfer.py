@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Message
-from flwr.common.serde import context_from_proto, fab_from_proto, message_from_proto, run_from_proto
+from flwr.common.serde import message_from_proto
 from flwr.proto.node_pb2 import Node
-from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest
+from flwr.proto.runtime_pb2 import PullAppMessagesRequest
 from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
 from flwr.supercore.inflatable.inflatable_protobuf_utils import (
     make_confirm_message_received_fn_protobuf,
@@ -41,9 +41,9 @@ from flwr.supercore.inflatable.inflatable_utils import (
     ObjectUnavailableError,
     inflate_object_from_contents,
 )
-from flwr.supercore.task_identity import TaskIdentity
 
 from engine.errors import CancelledError
+from engine.federation.flower.runtime_api import take_task_input
 
 #: Seconds before retrying an object that has not arrived yet, doubling up to the cap.
 INITIAL_BACKOFF = 0.02
@@ -129,10 +129,7 @@ class TaskHeader:
 
 def pull_task_header(client: Any) -> TaskHeader:
     """The run, app bundle (FAB), context and message metadata of ``client``'s task: no payload yet."""
-    res = client.PullTaskInput(PullTaskInputRequest())
-    TaskIdentity.task_id = res.task_id
-    TaskIdentity.run_id = res.run.run_id
-    TaskIdentity.node_id = res.context.node_id
+    task = take_task_input(client)
     pulled = client.PullMessages(PullAppMessagesRequest())
     if not pulled.messages_list:
         raise RuntimeError("the SuperNode handed out a task without a message")
@@ -140,27 +137,46 @@ def pull_task_header(client: Any) -> TaskHeader:
     header = message_from_proto(pulled.messages_list[0])
     # a message's id is its object id, which its deflated form does not carry
     header.metadata.__dict__["_message_id"] = tree.object_id
-    return TaskHeader(context_from_proto(res.context), run_from_proto(res.run), fab_from_proto(res.fab), header,
-                      tree)
+    return TaskHeader(task.context, task.run, task.fab, header, tree)
 
 
-def pull_task_message(client: Any, task: TaskHeader, stall_timeout: float = 60.0,
-                      cancel: Callable[[], bool] | None = None) -> Any:
-    """Pull and inflate the task's message (its payload) from the SuperNode."""
-    node = Node(node_id=task.context.node_id)
-    tree = task.tree
+def pull_message(pull_object: Callable[..., Any], node: Any, run_id: int, tree: Any, *, stall_timeout: float = 60.0,
+                 cancel: Callable[[], bool] | None = None, abandon: Callable[[], str | None] | None = None,
+                 on_pulled: Callable[[], None] | None = None) -> Message:
+    """Pull every object of the message whose object tree is ``tree`` and inflate it.
+
+    ``pull_object`` is a Runtime API client's ``PullObject`` call, ``node`` the caller's Flower
+    node (a ``Node`` message); ``on_pulled`` runs once every object is here, before decoding
+    (to release the sender's copy). Raises :class:`StalledTransfer`, :class:`AbandonedTransfer`
+    or :class:`engine.errors.CancelledError` as :func:`pull_objects_promptly` does.
+    """
     contents = pull_objects_promptly([t.object_id for t in iterate_object_tree(tree)],
-                                     make_pull_object_fn_protobuf(client.PullObject, node, task.context.run_id),
-                                     stall_timeout=stall_timeout, cancel=cancel)
-    release_task_message(client, task)
+                                     make_pull_object_fn_protobuf(pull_object, node, run_id),
+                                     stall_timeout=stall_timeout, cancel=cancel, abandon=abandon)
+    if on_pulled is not None:
+        on_pulled()
     message = inflate_object_from_contents(tree.object_id, contents)
     if not isinstance(message, Message):
-        raise TypeError(f"the task's input is a {type(message).__name__}, not a message")
+        raise TypeError(f"the message's root object is a {type(message).__name__}, not a message")
+    # a message's id is its object id, which its deflated form does not carry
     message.metadata.__dict__["_message_id"] = tree.object_id
     return message
 
 
+def confirm_received(confirm: Callable[..., Any], node: Any, run_id: int, message_id: str) -> None:
+    """Tell the sender's side the message was taken (``confirm``: a client's ``ConfirmMessageReceived``)."""
+    make_confirm_message_received_fn_protobuf(confirm, node, run_id)(message_id)
+
+
+def pull_task_message(client: Any, task: TaskHeader, stall_timeout: float = 60.0,
+                      cancel: Callable[[], bool] | None = None) -> Any:
+    """Pull and inflate the task's message (its payload) from the SuperNode, then release the SuperNode's copy."""
+    node = Node(node_id=task.context.node_id)
+    return pull_message(client.PullObject, node, task.context.run_id, task.tree, stall_timeout=stall_timeout,
+                        cancel=cancel, on_pulled=lambda: release_task_message(client, task))
+
+
 def release_task_message(client: Any, task: TaskHeader) -> None:
     """Tell the SuperNode the task's message was taken, so it drops its copy (pulled or not)."""
-    make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, Node(node_id=task.context.node_id),
-                                              task.context.run_id)(task.tree.object_id)
+    confirm_received(client.ConfirmMessageReceived, Node(node_id=task.context.node_id), task.context.run_id,
+                     task.tree.object_id)
