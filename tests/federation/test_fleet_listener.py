@@ -220,3 +220,17 @@ def test_serve_exits_with_a_reason_when_the_fleet_port_is_taken(tmp_path):
     assert proc.returncode != 0
     assert f"could not open 127.0.0.1:{port}" in out
     assert not port_open("127.0.0.1", local)  # the loopback listener was closed too
+
+
+def test_the_refusal_of_an_unenrolled_node_is_flowers_own_error():
+    # the fleet listener answers an unknown key's activation as Flower would, from Flower's wire form
+    from flwr.supercore.error.base import ApiErrorCode, FlowerError
+    from flwr.supercore.error.catalog import API_ERROR_MAP
+
+    from engine.federation.flower.fleet_listener import NODE_ACTIVATION_FAILED
+
+    code, status, detail = NODE_ACTIVATION_FAILED
+    spec = API_ERROR_MAP[ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED]
+    assert (code, status) == (int(ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED), int(spec.http_status_code))
+    assert FlowerError(ApiErrorCode(code), "key not enrolled").to_json(spec.public_message) == {
+        "code": code, "detail": detail}

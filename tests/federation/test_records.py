@@ -129,3 +129,27 @@ def test_packed_arrays_are_standard_npy_and_truncated_ones_are_refused():
     garbage = ArrayRecord({"float32": Array(dtype="float32", shape=(7,), stype="numpy.ndarray", data=b"\0" * 64)})
     with pytest.raises(WeightsError, match="not readable"):
         records.unpack(garbage, layout, "t")
+
+
+def test_object_ids_walk_a_messages_tree_as_flower_does():
+    from flwr.app import Message
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree, iterate_object_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from engine.federation.flower.object_tree import object_ids
+
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, 1, 0  # as a task's process
+    content = RecordDict({"weights": ArrayRecord([np.arange(70_000, dtype=np.float32), np.ones(3)]),
+                          "config": ConfigRecord({"round": 2})})
+    tree = get_object_tree(Message(content, dst_node_id=3, message_type="train"))
+    assert object_ids(tree) == [t.object_id for t in iterate_object_tree(tree)]
+    assert object_ids(tree)[-1] == tree.object_id and len(object_ids(tree)) > 4
+
+    # protobuf refuses to decode trees nested past 100 levels; the walk itself must not depend on that
+    from types import SimpleNamespace
+
+    deep = SimpleNamespace(object_id="leaf", children=[])
+    for level in range(5000):  # far deeper than Python's recursion limit
+        deep = SimpleNamespace(object_id=f"n{level}", children=[deep])
+    ids = object_ids(deep)
+    assert len(ids) == 5001 and ids[0] == "leaf" and ids[-1] == "n4999"

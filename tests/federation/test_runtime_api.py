@@ -35,7 +35,7 @@ class _Client:
     def __init__(self, fails: bool) -> None:
         self.fails, self.sent, self.closed = fails, [], False
 
-    def PushTaskOutput(self, request):  # noqa: N802 (Flower's method name)
+    def PushTaskOutput(self, request):  # Flower's method name
         if self.fails:
             raise ConnectionError("the SuperLink is gone")
         self.sent.append(request)

@@ -149,6 +149,18 @@ def test_header_auth_accepts_only_enrolled_signed_requests(pki):  # noqa: F811
     assert not auth.allowed({"headers": []})
 
 
+def test_the_header_check_speaks_the_installed_flowers_protocol():
+    # FedSM writes Flower's wire constants out (engine.federation.flower.fleet_auth); they must be Flower's
+    from flwr.common.constant import SYSTEM_TIME_TOLERANCE, TIMESTAMP_HEADER, TIMESTAMP_TOLERANCE
+    from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
+
+    from engine.federation.flower import fleet_auth
+
+    assert (fleet_auth.PUBLIC_KEY_HEADER, fleet_auth.SIGNATURE_HEADER, fleet_auth.TIMESTAMP_HEADER) == (
+        FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER, TIMESTAMP_HEADER)
+    assert (fleet_auth.TIMESTAMP_TOLERANCE_S, fleet_auth.CLOCK_SKEW_S) == (TIMESTAMP_TOLERANCE, SYSTEM_TIME_TOLERANCE)
+
+
 def test_one_site_holds_at_most_its_share_of_the_budget_until_flower_has_answered():
     from engine.federation.flower.upload_limits import InflightBudget
 

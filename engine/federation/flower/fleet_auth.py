@@ -9,6 +9,12 @@ signature, timestamp within Flower's tolerance) on the headers alone, so the fle
 (:class:`.fleet_listener.FleetOnly`) answers an unauthenticated request 401 without reading a
 byte of its body. Flower checks again as before (and also that the key belongs to the node
 the request names).
+
+The header names, the signature (ECDSA with SHA-256 over the timestamp's text) and the
+timestamp's tolerance are Flower's wire protocol, written out here rather than taken from
+Flower's internal modules; ``tests/federation/test_upload_limits.py`` signs with Flower's own
+code and compares the constants with the installed Flower's, so a Flower that changes them fails
+there.
 """
 
 from __future__ import annotations
@@ -21,6 +27,14 @@ from pathlib import Path
 
 from engine.federation.flower.asgi import Scope
 from engine.io.atomic import write_bytes_atomic
+
+#: Flower's Fleet API authentication headers (lower case, as an ASGI scope carries them).
+PUBLIC_KEY_HEADER = "flwr-public-key"
+SIGNATURE_HEADER = "flwr-signature"
+TIMESTAMP_HEADER = "flwr-timestamp"
+#: How old a signed timestamp Flower's SuperLink accepts (s), and the clock skew it allows either way (s).
+TIMESTAMP_TOLERANCE_S = 300
+CLOCK_SKEW_S = 5
 
 
 def _spki(pem: bytes) -> bytes | None:
@@ -54,23 +68,27 @@ class HeaderAuth:
 
     def allowed(self, scope: Scope) -> bool:
         """Whether the request's headers authenticate an enrolled node (no body needed)."""
-        from flwr.common.constant import SYSTEM_TIME_TOLERANCE, TIMESTAMP_HEADER, TIMESTAMP_TOLERANCE
-        from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
-        from flwr.supercore.primitives.asymmetric import bytes_to_public_key, verify_signature
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
 
         headers = {name.decode("latin-1").lower(): value for name, value in scope.get("headers", ())}
         try:
-            public_key = b64decode(headers[FLEET_HTTP_PUBLIC_KEY_HEADER], validate=True)
-            signature = b64decode(headers[FLEET_HTTP_SIGNATURE_HEADER], validate=True)
+            public_key = b64decode(headers[PUBLIC_KEY_HEADER], validate=True)
+            signature = b64decode(headers[SIGNATURE_HEADER], validate=True)
             timestamp = headers[TIMESTAMP_HEADER].decode("ascii")
             if _spki(public_key) not in self._keys:
                 return False
             signed_at = dt.datetime.fromisoformat(timestamp)
             age = (dt.datetime.now(dt.UTC) - signed_at).total_seconds()
-            if not -SYSTEM_TIME_TOLERANCE < age < TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE:
+            if not -CLOCK_SKEW_S < age < TIMESTAMP_TOLERANCE_S + CLOCK_SKEW_S:
                 return False
-            return bool(verify_signature(bytes_to_public_key(public_key), timestamp.encode("ascii"), signature))
-        except (KeyError, ValueError, TypeError, UnicodeError, binascii.Error):
+            key = serialization.load_pem_public_key(public_key)
+            if not isinstance(key, ec.EllipticCurvePublicKey):
+                return False
+            key.verify(signature, timestamp.encode("ascii"), ec.ECDSA(hashes.SHA256()))
+            return True
+        except (KeyError, ValueError, TypeError, UnicodeError, binascii.Error, InvalidSignature):
             return False
 
 

@@ -197,24 +197,25 @@ async def _refuse_unauthenticated(path: str, send: Send) -> None:
     A SuperNode whose key is not enrolled first asks to activate its node; Flower refuses that
     with its public error 2004 ("Failed to activate SuperNode"), which the SuperNode reports (and
     ``fedsm site`` turns into "this site's key is not enrolled"). Refused here before Flower sees
-    it, the SuperNode gets the same answer, built from Flower's own error catalogue, and the
-    SuperLink's log the same line.
+    it, the SuperNode gets the same answer (:data:`NODE_ACTIVATION_FAILED`, Flower's wire form of
+    that error) and the SuperLink's log the same line.
     """
     if not path.endswith("/activate-node"):
         await _answer(send, 401, b"Invalid SuperNode authentication\n")
         return
 
-    from flwr.supercore.error.base import ApiErrorCode, FlowerError
-    from flwr.supercore.error.catalog import API_ERROR_MAP
-
-    code = ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED
-    spec = API_ERROR_MAP[code]
-    body = json.dumps(FlowerError(code, "key not enrolled").to_json(spec.public_message)).encode()
-    print(f"[{path}][ApiError:{int(code)}] refused from its headers: the node's key is not enrolled", flush=True)
-    await send({"type": "http.response.start", "status": int(spec.http_status_code),
+    code, status, detail = NODE_ACTIVATION_FAILED
+    body = json.dumps({"code": code, "detail": detail}).encode()
+    print(f"[{path}][ApiError:{code}] refused from its headers: the node's key is not enrolled", flush=True)
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+#: Flower's public error for a node it cannot activate: (code, HTTP status, detail), as its Fleet API
+#: sends it (``tests/federation/test_fleet_listener.py`` compares it with the installed Flower's catalogue).
+NODE_ACTIVATION_FAILED = (2004, 412, "Failed to activate SuperNode.")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

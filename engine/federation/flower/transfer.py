@@ -32,7 +32,6 @@ from flwr.app import Message
 from flwr.common.serde import message_from_proto
 from flwr.proto.node_pb2 import Node
 from flwr.proto.runtime_pb2 import PullAppMessagesRequest
-from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
 from flwr.supercore.inflatable.inflatable_protobuf_utils import (
     make_confirm_message_received_fn_protobuf,
     make_pull_object_fn_protobuf,
@@ -43,6 +42,7 @@ from flwr.supercore.inflatable.inflatable_utils import (
 )
 
 from engine.errors import CancelledError
+from engine.federation.flower.object_tree import object_ids
 from engine.federation.flower.runtime_api import take_task_input
 
 #: Seconds before retrying an object that has not arrived yet, doubling up to the cap.
@@ -150,7 +150,7 @@ def pull_message(pull_object: Callable[..., Any], node: Any, run_id: int, tree: 
     (to release the sender's copy). Raises :class:`StalledTransfer`, :class:`AbandonedTransfer`
     or :class:`engine.errors.CancelledError` as :func:`pull_objects_promptly` does.
     """
-    contents = pull_objects_promptly([t.object_id for t in iterate_object_tree(tree)],
+    contents = pull_objects_promptly(object_ids(tree),
                                      make_pull_object_fn_protobuf(pull_object, node, run_id),
                                      stall_timeout=stall_timeout, cancel=cancel, abandon=abandon)
     if on_pulled is not None:

@@ -117,7 +117,8 @@ class ReplyBytes:
     def messages_pushed(self, body: bytes) -> str | None:
         """Register the trees of a ``push-messages`` body; a reason to refuse it, or ``None``."""
         from flwr.proto.fleet_pb2 import PushMessagesRequest
-        from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+
+        from engine.federation.flower.object_tree import object_ids
 
         try:
             request = PushMessagesRequest.FromString(body)
@@ -125,7 +126,7 @@ class ReplyBytes:
             return None
         trees = []
         for k, tree in enumerate(request.message_object_trees):
-            ids = [t.object_id for t in iterate_object_tree(tree)]
+            ids = object_ids(tree)
             if len(ids) > self.max_reply_objects:
                 reason = f"a reply of {len(ids)} objects exceeds the limit of {self.max_reply_objects}"
                 if self.on_refused is not None and k < len(request.messages_list):
