@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
@@ -145,6 +146,7 @@ def replacements(path: Path) -> list[Finding]:
     return sorted(set(found), key=lambda f: (f.path, f.line, f.what))
 
 
+@cache
 def census() -> tuple[list[Finding], list[Finding]]:
     files = sorted(ENGINE.rglob("*.py"))
     return ([f for p in files for f in internal_imports(p)], [f for p in files for f in replacements(p)])
