@@ -16,7 +16,13 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
 from flwr.superlink.grid import HttpGrid
 
 from engine.federation.flower.local_auth import interceptors
-from engine.federation.flower.transfer import AbandonedTransfer, StalledTransfer, confirm_received, pull_message
+from engine.federation.flower.transfer import (
+    AbandonedTransfer,
+    NotAMessage,
+    StalledTransfer,
+    confirm_received,
+    pull_message,
+)
 from engine.federation.flower.upload_limits import REPLY_TO
 
 log = logging.getLogger(__name__)
@@ -109,7 +115,7 @@ class PromptHttpGrid(HttpGrid):
                     raise AbandonedTransfer(abandon())
                 message = pull_message(client.PullObject, self.node, run_id, tree, stall_timeout=self.pull_timeout,
                                        cancel=self.cancel, abandon=abandon, on_pulled=confirm)
-            except (ObjectPullError, StalledTransfer, AbandonedTransfer, TypeError) as exc:
+            except (ObjectPullError, StalledTransfer, AbandonedTransfer, NotAMessage) as exc:
                 # the reply is gone for good; the round leaves the site out with the reason
                 self.failed_replies[proto.metadata.reply_to_message_id] = (
                     f"the coordinator refused its reply: {exc}" if isinstance(exc, AbandonedTransfer)

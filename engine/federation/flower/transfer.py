@@ -56,6 +56,10 @@ class StalledTransfer(Exception):
     """No object of a message arrived for ``stall_timeout`` seconds (the sender died or hangs)."""
 
 
+class NotAMessage(TypeError):
+    """A message's objects arrived whole but do not decode to a Flower message (a malformed sender)."""
+
+
 class AbandonedTransfer(Exception):
     """The receiver learnt that the message will never be complete (e.g. the SuperLink refused part of it)."""
 
@@ -148,7 +152,8 @@ def pull_message(pull_object: Callable[..., Any], node: Any, run_id: int, tree: 
     ``pull_object`` is a Runtime API client's ``PullObject`` call, ``node`` the caller's Flower
     node (a ``Node`` message); ``on_pulled`` runs once every object is here, before decoding
     (to release the sender's copy). Raises :class:`StalledTransfer`, :class:`AbandonedTransfer`
-    or :class:`engine.errors.CancelledError` as :func:`pull_objects_promptly` does.
+    or :class:`engine.errors.CancelledError` as :func:`pull_objects_promptly` does, and
+    :class:`NotAMessage` when the objects decode to something else.
     """
     contents = pull_objects_promptly(object_ids(tree),
                                      make_pull_object_fn_protobuf(pull_object, node, run_id),
@@ -157,7 +162,7 @@ def pull_message(pull_object: Callable[..., Any], node: Any, run_id: int, tree: 
         on_pulled()
     message = inflate_object_from_contents(tree.object_id, contents)
     if not isinstance(message, Message):
-        raise TypeError(f"the message's root object is a {type(message).__name__}, not a message")
+        raise NotAMessage(f"the message's root object is a {type(message).__name__}, not a message")
     # a message's id is its object id, which its deflated form does not carry
     message.metadata.__dict__["_message_id"] = tree.object_id
     return message
