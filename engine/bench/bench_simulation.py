@@ -18,7 +18,7 @@ from engine.bench.presets import BenchPreset, TaskPreset
 from engine.errors import ConfigError
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.methods import FedSM
-from engine.fl.personalization import PERSONALIZATIONS
+from engine.fl.personalization import PERSONALIZATIONS, SOFTPULL
 from engine.simulate import Simulation, SimulationConfig
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -106,7 +106,11 @@ class JobContext:
 
     def config(self, seed: int, sites: int, lam: float | None = None, lr: float | None = None,
                rounds: int | None = None) -> SimulationConfig:
-        """Simulation settings; a sweep ``lam`` is raised to ``1/K`` here, set exactly by :class:`BenchSimulation`."""
+        """Simulation settings; a sweep ``lam`` is raised to ``1/K`` here, set exactly by :class:`BenchSimulation`.
+
+        The benchmark's ``fedsm`` is the paper's FedSM (SoftPull), whatever the product's default
+        rule: its tables are the paper's shape, and every other rule is a ``fedsm-<rule>`` job.
+        """
         p, tp = self.preset, self.tp
         return SimulationConfig(
             task=tp.task, sites=sites, rounds=rounds or tp.rounds, methods=("fedsm",), image_size=tp.image_size,
@@ -114,7 +118,7 @@ class JobContext:
             batch_size=p.batch_size, lr=p.lr if lr is None else lr, selector_lr=p.selector_lr,
             selector_size=p.selector_size, selector_width=p.selector_width, prox_mu=p.prox_mu, device=self.device,
             lr_schedule=p.lr_schedule,
-            lr_min_ratio=p.lr_min_ratio, loss=p.loss, keep_best=p.keep_best)
+            lr_min_ratio=p.lr_min_ratio, loss=p.loss, keep_best=p.keep_best, personalization=SOFTPULL)
 
 
 # --------------------------------------------------------------------------------------------

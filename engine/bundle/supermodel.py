@@ -83,6 +83,12 @@ DEFAULT_SELECTOR_WIDTH = 16
 #: How a FedSM bundle's personalized models were trained: SoftPull (the paper's) or one of the
 #: alternatives of its Table 6, trained inside FedSM (:mod:`engine.fl.personalization`).
 PERSONALIZATION_RULES = ("softpull", "finetune", "apfl", "perfedavg", "pfedme")
+#: The rule a FedSM run trains with unless told otherwise: APFL, chosen by the measured evidence
+#: (docs/results.md, "Personalization rules under FedSM's full routing path"): over 3 seeds of both
+#: tasks it had the best paired result against FedAvg. SoftPull, the paper's, is
+#: ``--personalization softpull``. A bundle's metadata without the field is SoftPull
+#: (:class:`SuperModelMeta`: bundles written before the setting existed).
+DEFAULT_PERSONALIZATION = "apfl"
 #: Routed model 0 is the global model, so no site may be called that.
 RESERVED_SITE_NAMES = ("global",)
 

@@ -23,6 +23,7 @@ from engine import api, catalogue
 from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.cli.data_commands import add_orientation_option, apply_orientation_option
 from engine.cli.progress import TerminalProgress
+from engine.bundle.supermodel import DEFAULT_PERSONALIZATION, PERSONALIZATION_RULES
 from engine.data.datalist import outside_paths_allowed
 from engine.data.synth import FEDERATION_FILE
 from engine.errors import CancelledError, ConfigError, FedSMError
@@ -153,12 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the style gate's nearest site (images outside the gate go to the global model; gamma "
                         "unused), or auto (default): whichever of the two sends more of the sites' validation "
                         "images to their own site's model, measured in the last round")
-    p.add_argument("--personalization", choices=["softpull", "apfl", "finetune", "perfedavg", "pfedme"],
-                   default="softpull",
-                   help="FedSM: how each site's personalized model trains: softpull (default, the paper's: "
-                        "pulled towards the other sites' models every round), apfl (a private model mixed with "
-                        "the global one), finetune (the final global model fine-tuned at the site), perfedavg "
-                        "or pfedme; every rule routes through the same selector, style gate and routing guard")
+    p.add_argument("--personalization", choices=list(PERSONALIZATION_RULES), default=DEFAULT_PERSONALIZATION,
+                   help="FedSM: how each site's personalized model trains: apfl (default, chosen by measurement, "
+                        "docs/results.md: a private model at each site mixed with the global one), softpull (the "
+                        "paper's: pulled towards the other sites' models every round), finetune (the final "
+                        "global model fine-tuned at the site), perfedavg or pfedme; every rule routes through "
+                        "the same selector, style gate and routing guard")
     p.add_argument("--wire-precision", choices=["bfloat16", "float32"], default="bfloat16",
                    help="how networks and optimizer moments travel each round: bfloat16 (default: half the "
                         "bytes; values down, differences up, float32 masters at both ends) or float32")

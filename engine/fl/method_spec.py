@@ -30,6 +30,7 @@ from engine import catalogue
 from engine.bundle import check_site_name
 from engine.bundle.supermodel import (
     DEFAULT_SELECTOR_WIDTH,
+    DEFAULT_PERSONALIZATION,
     PERSONALIZATION_RULES,
     SELECTOR_HEADS,
     SELECTOR_WIDTHS,
@@ -139,10 +140,12 @@ class TrainingSettings:
     site_routing: str = bounded("auto", one_of(SITE_ROUTING_CHOICES, help="how FedSM's bundle picks a site"))
     #: ``"auto"``: sites crop full fundus photos around the optic disc (engine.data.disc_crop).
     fundus_crop: str = bounded("none", one_of(CROP_MODES, help="cropping of full fundus photos"))
-    #: How FedSM trains its personalized models: ``"softpull"`` (the paper's), ``"finetune"``,
-    #: ``"apfl"``, ``"perfedavg"`` or ``"pfedme"`` (engine.fl.personalization)
-    personalization: str = bounded("softpull", one_of(PERSONALIZATION_RULES, site_key="allowed_personalizations",
-                                                      help="how FedSM trains its personalized models"))
+    #: How FedSM trains its personalized models: ``"apfl"`` (the default, chosen by measurement),
+    #: ``"softpull"`` (the paper's), ``"finetune"``, ``"perfedavg"`` or ``"pfedme"``
+    #: (engine.fl.personalization). Only FedSM reads it; other methods carry the default.
+    personalization: str = bounded(DEFAULT_PERSONALIZATION,
+                                   one_of(PERSONALIZATION_RULES, site_key="allowed_personalizations",
+                                          help="how FedSM trains its personalized models"))
     #: How networks and optimizer moments travel (engine.fl.wire_precision): ``"bfloat16"`` or ``"float32"``
     wire_precision: str = bounded(DEFAULT_WIRE_PRECISION, one_of(WIRE_PRECISIONS,
                                                                  help="how networks and moments travel"))
@@ -239,7 +242,7 @@ class MethodSpec(TrainingSettings):
             raise ConfigError(f"site names must be unique, got {list(names_)}")
         object.__setattr__(self, "site_names", names_)
         self._check_training_settings()
-        if self.personalization != "softpull" and self.method != "fedsm":
+        if self.personalization != DEFAULT_PERSONALIZATION and self.method != "fedsm":
             raise ConfigError(f"personalization = {self.personalization!r} is a FedSM setting; use method = "
                               f"\"fedsm\" or drop it (method {self.method!r} trains no personalized models that way)")
         self._resolve_run_defaults(self.task, len(names_))
@@ -352,6 +355,10 @@ def _defaults() -> dict[str, Any]:
     return out
 
 
+#: Settings only FedSM reads: a site's ``[bounds]`` on them bind FedSM runs only.
+FEDSM_ONLY_SETTINGS = ("personalization",)
+
+
 def settings_problems(raw: Mapping[str, Any], limit: Callable[[str], Any] | None = None) -> list[str]:
     """What in a run's settings (``MethodSpec`` as a dict) breaks the declared bounds or a site's limits.
 
@@ -374,7 +381,10 @@ def settings_problems(raw: Mapping[str, Any], limit: Callable[[str], Any] | None
         return out
     _resolve_defaults(values)
     for name, bound in declared.items():
-        out += _check(name, values[name], bound, site)
+        # a site's limit on a FedSM-only setting does not apply to a run whose method does not read it
+        # (a FedAvg run carries the default personalization rule a site may not allow for FedSM)
+        applies = name not in FEDSM_ONLY_SETTINGS or values.get("method") == "fedsm"
+        out += _check(name, values[name], bound, site if applies else (lambda key: None))
     options = values.get("options")
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         return [*out, f"options must be a table of named settings, got {options!r}"]

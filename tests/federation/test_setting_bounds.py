@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from fed_fixtures import pki  # noqa: F401
 
+from engine.bundle.supermodel import DEFAULT_PERSONALIZATION
 from engine.errors import ConfigError
 from engine.fl.method_spec import EXEMPT, TOTALS, MethodSpec, field_bounds, site_keys
 from engine.fl.registry import EXCHANGE_METHODS, EXCHANGE_OPTIONS, all_option_bounds, option_bounds
@@ -37,7 +38,7 @@ def _spec_with(name: str, value) -> dict:
     """A valid spec (as a site receives it) with setting or option ``name`` set to ``value``."""
     family = name.split("_")[0]
     if name in field_bounds():
-        return {**_base("fedsm" if name in ("lam", "selector_warmup") else
+        return {**_base("fedsm" if name in ("lam", "selector_warmup", "personalization") else
                         "fedsm-extra" if name == "extra_rounds" else "fedavg"), name: value}
     return {**_base(FAMILY_METHOD[family]), "options": {name: value}}
 
@@ -257,7 +258,8 @@ def _preset_specs():
                 for method in dict.fromkeys(methods):
                     options = ({f"{method.split('-')[0]}_{k}": v for k, v in asdict(BlackFedConfig()).items()}
                                if method in EXCHANGE_METHODS else {})
-                    rules = ("softpull", *preset.personalizations) if method == "fedsm" else ("softpull",)
+                    rules = (("softpull", *preset.personalizations) if method == "fedsm"
+                             else (DEFAULT_PERSONALIZATION,))
                     for rule in rules:
                         yield f"{preset.name}/{tp.task}/{method}/{rule}/lr{lr:g}", {
                             **common, "method": method, "lr": lr, "personalization": rule, "options": options,
@@ -316,3 +318,37 @@ def test_the_documented_bounds_table_is_the_generated_one():
                                           "print(bounds_table(), end='')\"")
     for key in site_keys():
         assert f"`{key}`" in documented
+
+
+# --- the personalization rule: a FedSM setting with a measured default ------------------------------
+def test_a_sites_personalization_bound_binds_fedsm_runs_only():
+    """A FedAvg run carries the default rule, which it never reads: a site that allows only SoftPull
+    still joins it, and refuses a FedSM run with the default rule until the spec names SoftPull."""
+    site = SiteBounds.from_dict({"allowed_personalizations": ["softpull"]})
+    fedavg = _base("fedavg")
+    assert fedavg["personalization"] == DEFAULT_PERSONALIZATION == "apfl"
+    assert site.violations(fedavg) == []
+    refused = site.violations(_base("fedsm"))
+    assert len(refused) == 1 and "allowed_personalizations" in refused[0] and "apfl" in refused[0]
+    assert site.violations({**_base("fedsm"), "personalization": "softpull"}) == []
+
+
+def test_another_rule_than_the_default_is_refused_for_a_method_that_does_not_read_it():
+    with pytest.raises(ConfigError, match="is a FedSM setting"):
+        MethodSpec(method="fedavg", task="fundus", site_names=SITES, rounds=2, image_size=64,
+                   personalization="softpull")
+    assert MethodSpec(method="fedsm", task="fundus", site_names=SITES, rounds=2,
+                      image_size=64).personalization == DEFAULT_PERSONALIZATION
+
+
+def test_simulate_and_the_benchmark_default_to_their_rules():
+    """``fedsm simulate`` trains the product's default; the benchmark's ``fedsm`` stays the paper's."""
+    from engine.bench.bench_simulation import JobContext
+    from engine.bench.presets import PRESETS
+    from engine.cli.main import build_parser
+
+    args = build_parser().parse_args(["simulate", "--task", "fundus", "--out", "unused"])
+    assert args.personalization == DEFAULT_PERSONALIZATION
+    preset = PRESETS["tiny"]
+    ctx = JobContext(preset=preset, tp=preset.tasks[0], sites=[], out_dir=ROOT)
+    assert ctx.config(seed=0, sites=2).personalization == "softpull"
