@@ -20,10 +20,10 @@ from typing import Any
 
 import engine
 from engine import api, catalogue
+from engine.bundle.supermodel import DEFAULT_PERSONALIZATION, PERSONALIZATION_RULES
 from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.cli.data_commands import add_orientation_option, apply_orientation_option
 from engine.cli.progress import TerminalProgress
-from engine.bundle.supermodel import DEFAULT_PERSONALIZATION, PERSONALIZATION_RULES
 from engine.data.datalist import outside_paths_allowed
 from engine.data.synth import FEDERATION_FILE
 from engine.errors import CancelledError, ConfigError, FedSMError

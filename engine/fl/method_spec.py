@@ -29,8 +29,8 @@ from typing import Any
 from engine import catalogue
 from engine.bundle import check_site_name
 from engine.bundle.supermodel import (
-    DEFAULT_SELECTOR_WIDTH,
     DEFAULT_PERSONALIZATION,
+    DEFAULT_SELECTOR_WIDTH,
     PERSONALIZATION_RULES,
     SELECTOR_HEADS,
     SELECTOR_WIDTHS,
