@@ -80,7 +80,10 @@ def test_site_killed_mid_round_is_left_out_keeps_its_model_and_returns_and_unapp
     # impostor calls itself site1 but holds site5's key, which the coordinator never enrolled
     _, datalists = fed_data
     sites = [*SITES, "site4"]
-    fed = LoopbackFederation(tmp_path, pki, datalists, sites, TRAINING, {"min_sites": 2, "rejoin_wait": 120},
+    # SoftPull: the server holds each site's personalized model between rounds, which is what a killed
+    # site must keep (the default rule, APFL, builds them at the sites in the last round)
+    fed = LoopbackFederation(tmp_path, pki, datalists, sites, {**TRAINING, "personalization": "softpull"},
+                             {"min_sites": 2, "rejoin_wait": 120},
                              approved={"site4": "sha256:" + "0" * 64})
     impostor_config = tmp_path / "impostor.toml"
     impostor_config.write_text(fed.site_config("site1").read_text().replace("site1.key", "site5.key")

@@ -71,8 +71,9 @@ def _alter(kind):
 
 
 def _spec5():
+    # SoftPull: the altered replies drop or forge the personalized model a site sends every round
     return MethodSpec(method="fedsm", task="fundus", site_names=SITES5, rounds=1, image_size=32, batch_size=4,
-                      selector_lr=1e-4, selector_width=16)
+                      selector_lr=1e-4, selector_width=16, personalization="softpull")
 
 
 class _NoWriter:

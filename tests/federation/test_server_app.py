@@ -38,6 +38,8 @@ def datalists(tmp_path_factory):
 
 def spec(method="fedavg", rounds=1, **kw):
     # a 16-wide selector: the same parts and messages at 1/16 of the paper's selector parameters
+    if method == "fedsm":
+        kw.setdefault("personalization", "softpull")  # the server holds SoftPull's personalized models
     return MethodSpec(method=method, task="fundus", site_names=SITES, rounds=rounds, image_size=32, batch_size=4,
                       selector_lr=1e-4, selector_width=16, **kw)
 
