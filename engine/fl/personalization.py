@@ -116,6 +116,15 @@ def apfl_alpha_of(site_state: Mapping[str, Any], default: float) -> float:
     return default if kept is None else float(kept["alpha"][0])
 
 
+def apfl_model_now(site_state: Mapping[str, Any], global_weights: Mapping[str, torch.Tensor],
+                   default_alpha: float) -> Weights | None:
+    """APFL's personalized model as the site would build it from ``global_weights`` now
+    (``alpha v + (1 - alpha) w``); ``None`` while the site holds no private model ``v``."""
+    if APFL_V not in site_state:
+        return None
+    return apfl_mix(site_state[APFL_V], global_weights, apfl_alpha_of(site_state, default_alpha))
+
+
 def _keep_apfl_alpha(site_state: dict[str, Any], alpha: float) -> None:
     site_state[APFL_ALPHA] = {"alpha": torch.tensor([alpha], dtype=torch.float64)}
 
@@ -439,9 +448,9 @@ def personalized_model(
     ``perfedavg``).
     """
     if kind == "apfl":
-        if APFL_V not in site_state:  # the site missed every training round: no private model
-            return clone_weights(weights["global"])
-        return apfl_mix(site_state[APFL_V], weights["global"], apfl_alpha_of(site_state, pcfg.apfl_alpha))
+        built = apfl_model_now(site_state, weights["global"], pcfg.apfl_alpha)
+        # the site missed every training round: no private model, the global model in its place
+        return clone_weights(weights["global"]) if built is None else built
     if kind == "pfedme":
         return clone_weights(site_state.get("pfedme_theta", weights["global"]))
     device = Device.resolve(cfg.device)

@@ -13,6 +13,7 @@ from engine.fl.personalization import (
     apfl_alpha_step,
     apfl_gradients,
     apfl_mix,
+    apfl_model_now,
     first_order_maml_gradient,
     pfedme_envelope_gradient,
     pfedme_local_update,
@@ -33,6 +34,16 @@ def test_apfl_mix_is_convex_combination():
     mixed = apfl_mix(v, w, 0.25)
     # Assert: 0.25 * [1, 2] + 0.75 * [3, 4]
     assert torch.allclose(mixed["a"], t(2.5, 3.5))
+
+
+def test_apfl_model_now_mixes_the_kept_private_model_with_the_given_global_one():
+    # Prepare: v = 1 and the kept alpha 0.25; the global model 0 (the configured alpha, 0.5, is unused)
+    state = {"apfl_v": {"w": t(1.0, 1.0)}, "apfl_alpha": {"alpha": torch.tensor([0.25], dtype=torch.float64)}}
+    # Execute / Assert: 0.25 * 1 + 0.75 * 0
+    assert torch.allclose(apfl_model_now(state, {"w": t(0.0, 4.0)}, 0.5)["w"], t(0.25, 3.25))
+    # before the site's first round: the configured alpha; without v: nothing to build
+    assert torch.allclose(apfl_model_now({"apfl_v": {"w": t(2.0)}}, {"w": t(0.0)}, 0.5)["w"], t(1.0))
+    assert apfl_model_now({}, {"w": t(0.0)}, 0.5) is None
 
 
 def test_apfl_gradients_by_hand():

@@ -30,7 +30,8 @@ from engine.federation.events import EventWriter, read_events
 
 SITES = ["site1", "site2", "site3"]
 TRAINING = {"task": "fundus", "method": "fedsm", "rounds": 4, "seed": 0, "image_size": 32,
-            "selector_calibration": "lda", "selector_width": 16}  # replies of ~15 MB (no selector optimizer state)
+            "selector_calibration": "lda", "selector_width": 16,  # replies of ~15 MB (no selector optimizer state)
+            "personalization": "softpull"}  # the attacks drop or forge the personalized model sent every round
 #: round -> what site3 does to its honest reply (round 5 is FedSM's calibration round)
 ATTACKS = {1: "scale", 2: "count", 3: "layout", 4: "stats_only", 5: "oversize"}
 REASONS = {"scale": "times its norm, above [robust] max_relative_update",

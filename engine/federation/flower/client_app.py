@@ -37,6 +37,7 @@ from engine.federation.flower.dialogue import answer_exchange, receive_final
 from engine.federation.spec import MethodSpec, build_method
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.methods import SiteInstructions, SiteRuntime, SiteUpdate
+from engine.fl.personalization import apfl_model_now
 from engine.fl.wire_precision import decode_down, encode_up
 from engine.security.approval import AppNotApproved
 from engine.startup import import_compute_stack
@@ -187,6 +188,11 @@ class SiteWorker:
             models["global"] = received["global"]
         if "personal" in received:
             models["personalized"] = received["personal"]
+        elif "global" in received and getattr(method, "personalization", None) == "apfl":
+            # APFL keeps its private model at the site: score the personalized model it would build now
+            built = apfl_model_now(runtime.state, received["global"], method.pcfg.apfl_alpha)
+            if built is not None:
+                models["personalized"] = built
         if "personal" in update.weights:
             models["local"] = update.weights["personal"]
         elif "global" in update.weights:
