@@ -1,9 +1,12 @@
 """End to end on 127.0.0.1 with TLS and site authentication: the coordinator and two ``fedsm site`` processes.
 
-One federation run (FedSM, 2 sites, 2 rounds + calibration) checks that
+One federation run (FedSM with its default personalization rule, APFL; 2 sites, 2 rounds +
+calibration) checks that
 
 - the final global, selector and personalized weights equal ``fedsm simulate`` with the same
-  seeds (max abs difference <= 1e-5): the transport is faithful;
+  seeds (max abs difference <= 1e-5): the transport is faithful, and APFL's private state (the
+  model ``v`` and weight ``alpha``, persisted in the site's work folder between rounds) is not lost;
+- APFL's private model stays at the site in training rounds; the last round sends the mixture once;
 - every request a site sends to the coordinator (as recorded by the SuperLink's fleet listener) holds only weights
   shaped like the models' parameters, counts and metrics: no image, no mask, no file path;
 - the Control and Runtime APIs cannot be reached through the address sites use, and the
@@ -32,6 +35,7 @@ from harness import (
     wait_for,
 )
 
+from engine.bundle.supermodel import DEFAULT_PERSONALIZATION
 from engine.errors import CancelledError
 from engine.federation.config import load_federation_config
 from engine.federation.events import EventWriter, read_events
@@ -97,6 +101,7 @@ def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp
     # Assert: site_routing auto's choice and the guard's paired statistics came through the network as simulated
     simulated = read_metadata(simulated_supermodel)
     assert meta.selector_width == simulated.selector_width == TRAINING["selector_width"]  # the signed setting
+    assert meta.personalization == simulated.personalization == DEFAULT_PERSONALIZATION == "apfl"
     assert meta.site_routing == simulated.site_routing and "routing_choice" in meta.extra
     assert meta.extra["routing_choice"] == pytest.approx(simulated.extra["routing_choice"])
     assert all({"cases", "diff_sd"} <= set(meta.site_validation[s]) for s in SITES)
@@ -117,10 +122,15 @@ def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp
         assert all(0.0 <= v <= 1.0 for v in metrics["dice"].values())
         shown = next(e for e in events if e["event"] == "run_settings")["settings"]
         assert shown["signed"] is True and shown["method"] == "fedsm" and shown["image_size"] == 32
-        sent = next(e for e in events if e["event"] == "sent" and e["round"] == 1)
-        assert sent["contents"]["tensors"] == {"global": 63, "personal": 63, "selector": 60,
-                                               "selector_optim": 73, "style_stats": 3}  # Adam state; style-gate sums
-        assert sent["contents"]["num_examples"] > 0 and "loss_global" in sent["contents"]["metrics"]
+        assert shown["personalization"] == "apfl"  # the default rule, shown before the site agrees
+        sent = {e["round"]: e for e in events if e["event"] == "sent"}
+        assert sorted(sent) == [1, 2, 3]
+        # APFL's private model v stays at the site in training rounds; the last round sends the mixture once
+        for rnd in (1, 2):
+            assert sent[rnd]["contents"]["tensors"] == {"global": 63, "selector": 60, "selector_optim": 73,
+                                                        "style_stats": 3}  # Adam state; style-gate sums
+        assert sent[3]["contents"]["tensors"].get("personal") == 63, sent[3]
+        assert sent[1]["contents"]["num_examples"] > 0 and "loss_global" in sent[1]["contents"]["metrics"]
     server_events = read_events(fed.server_events)
     assert [e["round"] for e in server_events if e["event"] == "checkpoint"] == [1, 2, 3]
     assert all(e["left_out"] == {} for e in server_events if e["event"] == "round_end")
