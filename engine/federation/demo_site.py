@@ -125,9 +125,15 @@ class ObservedSite:
         return update
 
 
-def _validation_dice(task: Any, validation: Any) -> Callable[[dict[str, Any], Any], dict[str, float]]:
-    """Dice of the received global/personalized and the locally trained model on ``validation``."""
+def _validation_dice(task: Any, validation: Any, method: Any,
+                     runtime: Any) -> Callable[[dict[str, Any], Any], dict[str, float]]:
+    """Dice of the received global/personalized and the locally trained model on ``validation``.
+
+    With APFL the personalized model is the one the site would build now from its private model
+    (kept in ``runtime.state``) and the received global model, as a network site scores it.
+    """
     from engine.fl.evaluation import dice_per_case, segment_with
+    from engine.fl.personalization import apfl_model_now
 
     def dice_of(weights: Any) -> float:
         masks = segment_with(task, weights, validation.images, device="cpu")
@@ -139,6 +145,10 @@ def _validation_dice(task: Any, validation: Any) -> Callable[[dict[str, Any], An
         out = {"global": dice_of(received["global"])}
         if "personal" in received:
             out["personalized"] = dice_of(received["personal"])
+        elif method.personalization == "apfl":
+            built = apfl_model_now(runtime.state, received["global"], method.pcfg.apfl_alpha)
+            if built is not None:
+                out["personalized"] = dice_of(built)
         local = update.weights.get("personal", update.weights.get("global"))
         if local is not None:
             out["local"] = dice_of(local)
@@ -156,6 +166,7 @@ def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_siz
     ``selector_warmup`` rounds train the selector alone before the ``rounds`` training rounds (the
     command line, which the app runs, uses :data:`DEMO_SELECTOR_WARMUP`).
     """
+    from engine.bundle.supermodel import DEFAULT_PERSONALIZATION
     from engine.data.site_data import load_site
     from engine.data.synth import existing_federation, generate_federation
     from engine.federation.inprocess import run_rounds
@@ -176,9 +187,11 @@ def run_demo_site(workdir: Path, site: str = "site1", rounds: int = 3, image_siz
     runtimes = [SiteRuntime(s.name, i, s.train, validation=s.validation) for i, s in enumerate(loaded)]
     watched = runtimes[names.index(site)]
     training = LocalTrainingConfig(epochs=epochs, batch_size=batch_size, device="cpu")
+    # the product's default personalization rule (fedsm simulate's and a network run's)
     method = FedSM(spec, names, training, seed, rounds, lam=max(0.7, 1.0 / len(names)), gamma=0.6,
-                   selector_warmup=selector_warmup)
-    observed = ObservedSite(method, watched, emit, _validation_dice(spec, loaded[names.index(site)].validation))
+                   selector_warmup=selector_warmup, personalization=DEFAULT_PERSONALIZATION)
+    observed = ObservedSite(method, watched, emit,
+                            _validation_dice(spec, loaded[names.index(site)].validation, method, watched))
     emit({"event": "connected", "coordinator": f"in-process demo federation ({len(names)} sites)"})
     if selector_warmup:
         first = selector_warmup + 1
