@@ -213,3 +213,31 @@ def test_a_round_whose_sites_share_no_direction_does_not_count():
     assert RobustSettings.from_dict({"direction_min_change": 0}).direction_memory_for_run().min_change == 0.0
     with pytest.raises(Exception, match="direction_min_change"):
         RobustSettings.from_dict({"direction_min_change": 1.5})
+
+
+def test_opposed_selector_changes_leave_no_fedsm_site_out(tiny_training):
+    """FedSM's selector is trained at each site on one label, its own: honest sites' selector changes
+    oppose each other (cpu-converged prostate: the two largest sites were left out of most rounds
+    while the selector was judged). Only the segmentation model's direction is judged."""
+    from engine.fl.methods import FedSM
+    from engine.fl.robust import direction_readings
+
+    method = FedSM(FUNDUS, NAMES, tiny_training, seed=0, rounds=1, lam=0.5)
+    state = method.initial_state()
+    agreeing = _updates(state, [1, 1, 1, 1, 1], counts=(10, 10, 10, 10, 60))
+    generator = torch.Generator().manual_seed(1)
+    common = {k: torch.randn(v.shape, generator=generator) * 1e-3 for k, v in state["selector"].items()
+              if v.dtype.is_floating_point}
+    updates = {}
+    for site, sign in zip(NAMES, [1, 1, 1, 1, -1], strict=True):
+        selector = {k: v + sign * common[k] if k in common else v for k, v in state["selector"].items()}
+        updates[site] = SiteUpdate({"global": agreeing[site].weights["global"], "selector": selector},
+                                   agreeing[site].num_samples, {})
+    cosines, _ = direction_readings(method, state, updates)
+    assert set(cosines) == {"global"} and min(cosines["global"].values()) > 0
+    assert opposed_sites(method, state, updates, RobustSettings().min_cosine) == {}
+    # the same reversal in the segmentation model is still left out
+    flipped = {**updates, "site5": SiteUpdate({**updates["site5"].weights,
+                                                "global": _updates(state, [1, 1, 1, 1, -1])["site5"].weights["global"]},
+                                               60, {})}
+    assert list(opposed_sites(method, state, flipped, RobustSettings().min_cosine)) == ["site5"]
