@@ -129,11 +129,10 @@ def _validation_dice(task: Any, validation: Any, method: Any,
                      runtime: Any) -> Callable[[dict[str, Any], Any], dict[str, float]]:
     """Dice of the received global/personalized and the locally trained model on ``validation``.
 
-    With APFL the personalized model is the one the site would build now from its private model
-    (kept in ``runtime.state``) and the received global model, as a network site scores it.
+    The personalized model is :meth:`~engine.fl.methods.FedSM.personal_model_now`'s, as a network
+    site scores it.
     """
     from engine.fl.evaluation import dice_per_case, segment_with
-    from engine.fl.personalization import apfl_model_now
 
     def dice_of(weights: Any) -> float:
         masks = segment_with(task, weights, validation.images, device="cpu")
@@ -143,12 +142,9 @@ def _validation_dice(task: Any, validation: Any, method: Any,
         if not len(validation.images) or "global" not in received:
             return {}
         out = {"global": dice_of(received["global"])}
-        if "personal" in received:
-            out["personalized"] = dice_of(received["personal"])
-        elif method.personalization == "apfl":
-            built = apfl_model_now(runtime.state, received["global"], method.pcfg.apfl_alpha)
-            if built is not None:
-                out["personalized"] = dice_of(built)
+        personal = method.personal_model_now(received, runtime.state)
+        if personal is not None:
+            out["personalized"] = dice_of(personal)
         local = update.weights.get("personal", update.weights.get("global"))
         if local is not None:
             out["local"] = dice_of(local)

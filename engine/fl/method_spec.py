@@ -145,7 +145,7 @@ class TrainingSettings:
     #: (engine.fl.personalization). Only FedSM reads it; other methods carry the default.
     personalization: str = bounded(DEFAULT_PERSONALIZATION,
                                    one_of(PERSONALIZATION_RULES, site_key="allowed_personalizations",
-                                          help="how FedSM trains its personalized models"))
+                                          methods=("fedsm",), help="how FedSM trains its personalized models"))
     #: How networks and optimizer moments travel (engine.fl.wire_precision): ``"bfloat16"`` or ``"float32"``
     wire_precision: str = bounded(DEFAULT_WIRE_PRECISION, one_of(WIRE_PRECISIONS,
                                                                  help="how networks and moments travel"))
@@ -355,10 +355,6 @@ def _defaults() -> dict[str, Any]:
     return out
 
 
-#: Settings only FedSM reads: a site's ``[bounds]`` on them bind FedSM runs only.
-FEDSM_ONLY_SETTINGS = ("personalization",)
-
-
 def settings_problems(raw: Mapping[str, Any], limit: Callable[[str], Any] | None = None) -> list[str]:
     """What in a run's settings (``MethodSpec`` as a dict) breaks the declared bounds or a site's limits.
 
@@ -381,9 +377,8 @@ def settings_problems(raw: Mapping[str, Any], limit: Callable[[str], Any] | None
         return out
     _resolve_defaults(values)
     for name, bound in declared.items():
-        # a site's limit on a FedSM-only setting does not apply to a run whose method does not read it
-        # (a FedAvg run carries the default personalization rule a site may not allow for FedSM)
-        applies = name not in FEDSM_ONLY_SETTINGS or values.get("method") == "fedsm"
+        # a site's limit on a setting binds only the methods that read it (Bound.methods)
+        applies = not bound.methods or values.get("method") in bound.methods
         out += _check(name, values[name], bound, site if applies else (lambda key: None))
     options = values.get("options")
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):

@@ -56,6 +56,9 @@ class Bound:
     check
         A check of each value a number or choice cannot express (a site name's characters):
         raises :class:`engine.errors.ConfigError`.
+    methods
+        The methods that read the setting; a site's ``[bounds]`` on it bind only their runs (empty:
+        every method). Other runs carry its default, which a site need not allow.
     help
         One line for the documentation's table.
     """
@@ -72,6 +75,7 @@ class Bound:
     limited_by: tuple[str, ...] = ()
     site_key: str | None = None
     check: Callable[[Any], Any] | None = None
+    methods: tuple[str, ...] = ()
     help: str = ""
 
     def __post_init__(self) -> None:

@@ -37,7 +37,6 @@ from engine.federation.flower.dialogue import answer_exchange, receive_final
 from engine.federation.spec import MethodSpec, build_method
 from engine.fl.evaluation import dice_per_case, segment_with
 from engine.fl.methods import SiteInstructions, SiteRuntime, SiteUpdate
-from engine.fl.personalization import apfl_model_now
 from engine.fl.wire_precision import decode_down, encode_up
 from engine.security.approval import AppNotApproved
 from engine.startup import import_compute_stack
@@ -186,13 +185,10 @@ class SiteWorker:
         models: dict[str, Any] = {}
         if "global" in received:
             models["global"] = received["global"]
-        if "personal" in received:
-            models["personalized"] = received["personal"]
-        elif "global" in received and getattr(method, "personalization", None) == "apfl":
-            # APFL keeps its private model at the site: score the personalized model it would build now
-            built = apfl_model_now(runtime.state, received["global"], method.pcfg.apfl_alpha)
-            if built is not None:
-                models["personalized"] = built
+        own = getattr(method, "personal_model_now", None)  # FedSM's; other methods receive no personal model
+        personal = own(received, runtime.state) if own is not None else received.get("personal")
+        if personal is not None:
+            models["personalized"] = personal
         if "personal" in update.weights:
             models["local"] = update.weights["personal"]
         elif "global" in update.weights:

@@ -35,6 +35,7 @@ from engine.fl.personalization import (
     SHARED_TRACK_RULES,
     SOFTPULL,
     PersonalizationConfig,
+    apfl_model_now,
     check_personalization,
     personalized_model,
     shared_model_update,
@@ -260,6 +261,16 @@ class FedSM(FederatedMethod):
     def softpull(self) -> bool:
         """Whether the personalized models train with SoftPull (server state ``personal/<site>``)."""
         return self.personalization == SOFTPULL
+
+    def personal_model_now(self, received: Mapping[str, Any], site_state: Mapping[str, Any]) -> Any | None:
+        """A site's personalized model during training, for its per-round scores: the one it received
+        (SoftPull), APFL's mix of its private model with the received global model, or ``None`` where
+        the rule builds it only in the last round."""
+        if "personal" in received:
+            return received["personal"]
+        if self.personalization == "apfl" and "global" in received:
+            return apfl_model_now(site_state, received["global"], self.pcfg.apfl_alpha)
+        return None
 
     def initial_state(self) -> WeightSet:
         init = self._initial_segmentation()
