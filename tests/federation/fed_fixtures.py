@@ -42,14 +42,14 @@ def fed_data_two(tmp_path_factory) -> tuple[Path, list[Path]]:
 
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> Path:
-    """A federation CA, the coordinator's certificate, and key pairs for site1..site5 (site5's is never
+    """A federation CA, the coordinator's certificate, and key pairs for site1..site7 (site5's is never
     enrolled: the key of an impostor)."""
     from engine.security import certs
 
     root = tmp_path_factory.mktemp("pki")
     certs.create_ca(root)
     certs.create_server_certificate(root, root, ["127.0.0.1"])
-    for k in range(1, 6):
+    for k in range(1, 8):
         certs.create_site_keys(f"site{k}", root)
     return root
 
