@@ -31,6 +31,10 @@ Rules compared (distances are squared Mahalanobis distances to the nearest site 
     The engine's rule on what a site sends since that change (``calibration_distances``): its
     validation images' distances and each training case's distance under the gate refitted
     without that case, times ``(m^2 - 1) / m^2``.
+``loo+nearest``
+    ``loo``, and an image also counts as unlike every site when it lies beyond its nearest site's own
+    conformal bound (the threshold at each image is the smaller of the two). Measured, not adopted:
+    docs/results.md, "The gate at 32 px and the nearest site's own bound".
 
 Example::
 
@@ -55,6 +59,7 @@ from engine.fl.style_gate import (
     distance_histogram,
     fit_style_gate,
     histogram_quantile,
+    site_threshold,
     style_descriptors,
     style_distances,
     style_statistics,
@@ -128,6 +133,11 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
         thr = threshold_from_histograms(h, DEFAULT_QUANTILE)
         own = np.concatenate([(k == j) & (d <= thr) for j, (d, k) in enumerate(test)])
         out[rule] = (float(own.mean()), float((ud > thr).mean()))
+    # loo, and no image beyond its nearest site's own bound either (the bound each site's histogram gives)
+    thr = threshold_from_histograms(hists["loo"], DEFAULT_QUANTILE)
+    bounds = np.minimum(thr, [site_threshold(h["counts"].numpy(), DEFAULT_QUANTILE) for h in hists["loo"]])
+    own = np.concatenate([(k == j) & (d <= bounds[k]) for j, (d, k) in enumerate(test)])
+    out["loo+nearest"] = (float(own.mean()), float((ud > bounds[uk]).mean()))
     return out
 
 
