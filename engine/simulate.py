@@ -37,6 +37,7 @@ from engine.fl.exchange import ExchangeMethod
 from engine.fl.local_training import Device
 from engine.fl.method_spec import TrainingSettings
 from engine.fl.methods import FedSM, SiteRuntime
+from engine.fl.methods.contract import NOISE_SEED_KEY, derived_seed
 from engine.fl.model_selection import BestRoundKeeper, attach_best_round
 from engine.fl.registry import EXCHANGE_METHODS, build_exchange_method
 from engine.fl.robust import RobustSettings
@@ -350,6 +351,9 @@ class Simulation:
         settings |= settings.pop("options")
         method = build_exchange_method(name, self.task, [s.name for s in self.sites], settings)
         runtimes = self._runtimes()
+        for runtime in runtimes:  # privacy noise seeded from the run's seed, so that a simulation repeats; a
+            # network site draws a secret one (engine.fl.methods.contract.NOISE_SEED_KEY)
+            runtime.state[NOISE_SEED_KEY] = derived_seed(self.cfg.seed, "dp-noise", runtime.name)
         self._attach_round_hook(method, runtimes)
         ledger = LedgerWriter(method, self.out_dir / f"{name}-ledger.jsonl")  # what every exchange carried
         try:

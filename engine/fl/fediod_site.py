@@ -28,6 +28,7 @@ from engine.fl.fediod_losses import discriminator_loss
 from engine.fl.fediod_nets import PatchDiscriminator
 from engine.fl.fediod_privacy import PrivacySetting, clip_and_noise, epsilon_spent
 from engine.fl.local_training import Device, LocalTrainingConfig, RoundContext, train_segmentation_round
+from engine.fl.methods.contract import noise_seed
 from engine.fl.weights import clone_weights
 from engine.models import build_segmentation_net
 
@@ -144,8 +145,10 @@ def setup_site(task: TaskSpec, site: SiteRuntime, config: dict[str, Any], defaul
     if not isinstance(privacy, PrivacySetting):
         raise ConfigError(f"site {site.name}: privacy setting must be a PrivacySetting, got {type(privacy).__name__}")
     noise = privacy.resolved_noise(int(config["releases"]))
+    # the noise's seed is the site's own, never the coordinator's `seed`: knowing the seed, the coordinator
+    # could regenerate every draw and subtract it from the released gradients
     rng = torch.Generator()
-    rng.manual_seed((seed + 2) % (2**63))
+    rng.manual_seed(noise_seed(site))
     return SiteState(teacher, disc, opt, privacy, noise, rng, teacher_metrics=metrics)
 
 

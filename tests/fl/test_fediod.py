@@ -249,6 +249,34 @@ def test_a_site_rebuilt_from_its_weight_dicts_answers_as_before():
     assert twin.state[STATE_KEY].releases == site.state[STATE_KEY].releases == 1
 
 
+def test_a_sites_dp_noise_is_its_own_secret_not_a_function_of_what_the_coordinator_sent():
+    # Prepare: two runs of one site with the same data, teacher and coordinator messages (seed included),
+    # DP on; as a network site, neither holds a noise seed of its own
+    from engine.fl.exchange import Request
+    from engine.fl.methods.contract import NOISE_SEED_KEY
+
+    def released(noise_seed=None):
+        site = tiny_sites(1)[0]
+        site.state["privacy"] = PrivacySetting(noise_multiplier=1.0)
+        if noise_seed is not None:
+            site.state[NOISE_SEED_KEY] = noise_seed
+        method = tiny_method([site])
+        method.answer(Request("setup", config={**method._setup_config(), "seed": 1}), site)
+        x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+        method.answer(Request("query", {"images": x}, {"step": 0}), site)
+        gz = torch.randn(2, 2, 32, 32, generator=torch.Generator().manual_seed(6))
+        gd = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(7))
+        return method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), site)
+
+    # Execute
+    first, second = released(), released()
+    # Assert: different noise, so the coordinator cannot regenerate it from the seed it sent and subtract it
+    # (noise std 1.0 x clip 1.0 per element: two draws never agree)
+    assert not torch.allclose(first.tensors["input_grad"], second.tensors["input_grad"])
+    # ... while a simulation, which sets each site's noise seed from the run's, repeats exactly
+    assert torch.equal(released(11).tensors["input_grad"], released(11).tensors["input_grad"])
+
+
 def test_the_sites_input_gradients_sum_to_the_generator_loss_gradient_of_one_graph():
     # Prepare: drive one distillation step by hand, as a transport would
     from engine.fl.exchange import Reply

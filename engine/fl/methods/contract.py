@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -69,6 +70,22 @@ class SiteUpdate:
     weights: WeightSet
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+#: ``SiteRuntime.state`` key of the seed of a site's privacy noise, chosen by whoever runs the site. A site
+#: without one draws a secret seed (:func:`noise_seed`): noise added for differential privacy must be
+#: unknown to the coordinator, which could otherwise regenerate it and subtract it from what the site
+#: released. ``fedsm simulate`` sets it (one process, no one to hide the noise from) so experiments repeat.
+NOISE_SEED_KEY = "dp_noise_seed"
+
+
+def noise_seed(site: SiteRuntime) -> int:
+    """The seed of ``site``'s privacy noise: its :data:`NOISE_SEED_KEY`, else 63 secret random bits.
+
+    Never a seed the coordinator sent or can derive: the run's seed is known to it.
+    """
+    value = site.state.get(NOISE_SEED_KEY)
+    return int(value) if value is not None else secrets.randbits(63)
 
 
 @dataclass
