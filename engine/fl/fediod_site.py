@@ -52,7 +52,10 @@ class SiteState:
     optimizer: torch.optim.Optimizer
     privacy: PrivacySetting
     noise_multiplier: float
+    #: draws the site's real batches for its discriminator (seeded from the run's seed: reproducible)
     rng: torch.Generator
+    #: draws its privacy noise (seeded from the site's own secret, :func:`noise_seed`)
+    noise_rng: torch.Generator
     releases: int = 0
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
     teacher_metrics: dict[str, float] = field(default_factory=dict)
@@ -145,11 +148,13 @@ def setup_site(task: TaskSpec, site: SiteRuntime, config: dict[str, Any], defaul
     if not isinstance(privacy, PrivacySetting):
         raise ConfigError(f"site {site.name}: privacy setting must be a PrivacySetting, got {type(privacy).__name__}")
     noise = privacy.resolved_noise(int(config["releases"]))
-    # the noise's seed is the site's own, never the coordinator's `seed`: knowing the seed, the coordinator
-    # could regenerate every draw and subtract it from the released gradients
     rng = torch.Generator()
-    rng.manual_seed(noise_seed(site))
-    return SiteState(teacher, disc, opt, privacy, noise, rng, teacher_metrics=metrics)
+    rng.manual_seed((seed + 2) % (2**63))
+    # the noise's seed is the site's own, never the coordinator's `seed`: knowing it, the coordinator could
+    # regenerate every draw and subtract it from the released gradients
+    noise_rng = torch.Generator()
+    noise_rng.manual_seed(noise_seed(site))
+    return SiteState(teacher, disc, opt, privacy, noise, rng, noise_rng, teacher_metrics=metrics)
 
 
 def _real_batch(state: SiteState, data: SplitArrays, size: int) -> torch.Tensor:
@@ -217,7 +222,7 @@ def answer_gradient(state: SiteState, step: int, logit_grad: torch.Tensor, score
     state.releases += 1
     if state.noise_multiplier <= 0:
         return grad.detach().cpu().float()  # no DP: the exact gradient (still only w.r.t. the images)
-    released, _ = clip_and_noise(grad.cpu(), state.privacy.clip_norm, state.noise_multiplier, state.rng)
+    released, _ = clip_and_noise(grad.cpu(), state.privacy.clip_norm, state.noise_multiplier, state.noise_rng)
     return released
 
 
@@ -231,7 +236,7 @@ def mirror_state(site: SiteRuntime, state: SiteState, teacher: bool = True) -> N
     A transport that keeps only weight dicts between messages (e.g. through
     :func:`engine.federation.checkpoint.save_site_state`) can then rebuild the site with
     :func:`restore_state`. The discriminator's Adam moments are not kept (a restored site starts a
-    fresh Adam); everything else, the random generator and the release count included, is.
+    fresh Adam); everything else, both random generators and the release count included, is.
     The teacher never changes after setup, so ``teacher=False`` skips copying it again.
     """
     if teacher or "fediod/teacher" not in site.state:
@@ -245,6 +250,7 @@ def mirror_state(site: SiteRuntime, state: SiteState, teacher: bool = True) -> N
             "delta": torch.tensor(p.delta, dtype=torch.float64),
             "epsilon_target": torch.tensor(math.nan if p.epsilon is None else p.epsilon, dtype=torch.float64),
             "rng": state.rng.get_state().clone(),
+            "noise_rng": state.noise_rng.get_state().clone(),
             "lr_d": torch.tensor(state.optimizer.param_groups[0]["lr"], dtype=torch.float64)}
     for step, images in state.pending.items():
         info["pending_step"] = torch.tensor(step, dtype=torch.int64)
@@ -275,9 +281,14 @@ def restore_state(task: TaskSpec, site: SiteRuntime, device: str = "auto") -> Si
                              clip_norm=float(info["clip_norm"]), delta=float(info["delta"]))
     rng = torch.Generator()
     rng.set_state(info["rng"].clone())
+    noise_rng = torch.Generator()
+    if "noise_rng" in info:
+        noise_rng.set_state(info["noise_rng"].clone())
+    else:  # mirrored before the noise had its own generator: a fresh secret one
+        noise_rng.manual_seed(noise_seed(site))
     pending = {int(info["pending_step"]): info["pending_images"].to(dev)} if "pending_images" in info else {}
     metrics = {k.removeprefix("metric/"): float(v) for k, v in info.items() if k.startswith("metric/")}
-    return SiteState(teacher, disc, opt, privacy, float(info["noise_multiplier"]), rng,
+    return SiteState(teacher, disc, opt, privacy, float(info["noise_multiplier"]), rng, noise_rng,
                      int(info["releases"]), pending, metrics)
 
 
