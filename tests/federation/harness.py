@@ -7,6 +7,7 @@ launcher watches it). Everything listens on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from warm_start import WarmStarter, cold_start_forced
+
 from engine.federation.events import read_events
 from engine.federation.flower.processes import free_port
 
@@ -24,17 +27,32 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class Processes:
-    """Child processes of a test, stopped by PID at the end."""
+    """Child processes of a test, stopped by PID at the end.
 
-    def __init__(self, python_path: tuple[Path, ...] = ()) -> None:
+    Python processes start from the worker's warm starter (:mod:`warm_start`: torch and MONAI already
+    imported) unless ``cold`` or ``FEDSM_TESTS_COLD_START=1``.
+    """
+
+    def __init__(self, python_path: tuple[Path, ...] = (), cold: bool = False) -> None:
         """``python_path``: folders the children import from besides the checkout (e.g. an installed plugin)."""
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Any] = []
         self.python_path = os.pathsep.join(str(p) for p in (ROOT, *python_path))
+        self.cold = cold or cold_start_forced()
 
-    def start(self, argv: list[str], log: Path, stdin: bytes | None = None) -> subprocess.Popen[bytes]:
-        """Start ``argv`` with its output in ``log``; ``stdin``: what its standard input holds (then its end)."""
+    def start(self, argv: list[str], log: Path, stdin: bytes | None = None, cold: bool = False) -> Any:
+        """Start ``argv`` with its output in ``log``; ``stdin``: what its standard input holds (then its end);
+        ``cold``: as a fresh interpreter.
+
+        Returns a :class:`subprocess.Popen` or, started warm, a :class:`warm_start.WarmProcess` (the same
+        ``pid``, ``poll``, ``wait`` and ``returncode``).
+        """
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": self.python_path}
+        if not (self.cold or cold):
+            warm = warm_starter().start(argv, log, ROOT, env, stdin)
+            if warm is not None:
+                self.procs.append(warm)
+                return warm
         with log.open("ab") as out:
             proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
                                     stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE)
@@ -61,6 +79,18 @@ class Processes:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+_STARTER: WarmStarter | None = None
+
+
+def warm_starter() -> WarmStarter:
+    """This pytest worker's warm starter (started on first use, stopped when the worker exits)."""
+    global _STARTER
+    if _STARTER is None:
+        _STARTER = WarmStarter()
+        atexit.register(_STARTER.close)
+    return _STARTER
 
 
 def fedsm(*args: str) -> list[str]:
@@ -136,12 +166,12 @@ class LoopbackFederation:
     def server_events(self) -> Path:
         return self.work / "events.jsonl"
 
-    def start_site(self, procs: Processes, site: str, *extra: str, stdin: bytes | None = None
-                   ) -> subprocess.Popen[bytes]:
+    def start_site(self, procs: Processes, site: str, *extra: str, stdin: bytes | None = None, cold: bool = False
+                   ) -> Any:
         return procs.start(fedsm("site", "--config", str(self.site_config(site)), "--json", *extra),
-                           self.root / f"{site}.out", stdin=stdin)
+                           self.root / f"{site}.out", stdin=stdin, cold=cold)
 
-    def start_server(self, procs: Processes, resume: bool = False) -> subprocess.Popen[bytes]:
+    def start_server(self, procs: Processes, resume: bool = False) -> Any:
         return procs.start(fedsm("server", "--config", str(self.config), *(["--resume"] if resume else [])),
                            self.root / "server.out")
 

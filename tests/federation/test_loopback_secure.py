@@ -12,6 +12,9 @@ calibration) checks that
 - the Control and Runtime APIs cannot be reached through the address sites use, and the
   SuperLink listens on the loopback interface only;
 - the sites' progress events carry the keys the desktop app reads.
+
+Its first site starts as a fresh interpreter, as a user's ``fedsm site`` does; the other sites of the
+loopback tests fork from a warm one (tests/federation/warm_start.py).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def test_secure_loopback_federation(fed_data_two, pki, simulated_supermodel, tmp
     try:
         # Execute
         server.start()
-        sites = [fed.start_site(procs, s) for s in SITES]
+        sites = [fed.start_site(procs, s, cold=k == 0) for k, s in enumerate(SITES)]  # site1: a fresh interpreter
         wait_for(fed.server_events, lambda e: e["event"] == "round_start", 180, [server, *sites])
         check_sites_address_serves_only_the_fleet_api(fed.port, superlink_port, pki)
         # the red-team's attack during the run: 1,000 anonymous connections, each announcing a 64 KiB body
