@@ -499,7 +499,10 @@ class Simulation:
             else:
                 val_dice[site.name] = None
         bundle = self._bundle(method, state, val_dice)
-        predictor = SuperModelPredictor(bundle, self.cfg.device)
+        # the same networks and routing settings (both bundles come from ``state``): only the validation Dice
+        # recorded for the clinician differs, which routing does not read; building the predictor again cost
+        # K + 2 networks per evaluation
+        predictor.metadata = bundle.metadata
 
         routing: dict[str, dict[str, float]] = {}
         preds: dict[int, Any] = {}
