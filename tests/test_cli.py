@@ -44,12 +44,17 @@ def test_infer_with_foreign_file_is_one_clear_line(tmp_path):
     bogus.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
     image = tmp_path / "x.png"
     image.write_bytes(b"not really")
-    proc = subprocess.run([sys.executable, "-m", "engine.cli.main", "infer", "--model", str(bogus),
+    # -X importtime: every module the command imports is listed on stderr
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "engine.cli.main", "infer", "--model", str(bogus),
                            "--input", str(image), "--out", str(tmp_path / "o")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
+    imported = [line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time:")]
     assert "Traceback" not in proc.stderr
-    assert str(bogus) in proc.stderr
+    assert len(said) == 1 and str(bogus) in said[0], said
+    # refused from the file's header, before the compute stack loads (seconds sooner)
+    assert "engine.bundle.supermodel" in imported and "torch" not in imported and "monai" not in imported
 
 
 def test_unknown_method_is_a_clear_error(tmp_path, capsys):

@@ -559,6 +559,21 @@ def _read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def check_bundle_file(path: PathLike) -> None:
+    """Check, without torch, that ``path`` is a whole safetensors file (any kind of FedSM bundle).
+
+    ``fedsm infer`` and ``fedsm evaluate`` call it before they import the compute stack, so a wrong
+    path, a foreign or a truncated file is reported at once instead of after the seconds torch and
+    MONAI take to import.
+
+    Raises
+    ------
+    BundleError
+        As :func:`load_bundle`, for a missing, foreign or truncated file.
+    """
+    _read_header(Path(path))
+
+
 def read_metadata(path: PathLike) -> BundleMetadata:
     """Read only a bundle's metadata (no tensors, no torch import): cheap, for display.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import engine
 from engine import api, catalogue
-from engine.bundle.supermodel import DEFAULT_PERSONALIZATION, PERSONALIZATION_RULES
+from engine.bundle.supermodel import DEFAULT_PERSONALIZATION, PERSONALIZATION_RULES, check_bundle_file
 from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.cli.data_commands import add_orientation_option, apply_orientation_option
 from engine.cli.progress import TerminalProgress
@@ -294,6 +294,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "infer":
         setup_logging(args.verbose)
+        check_bundle_file(args.model)  # a wrong file is said at once, not after the compute stack's import
         set_threads(args.threads)
         choice = args.model_choice.strip()
         force = None if choice == "routed" else choice.removeprefix("personal:")

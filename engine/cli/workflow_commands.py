@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from engine import api
+from engine.bundle import check_bundle_file
 from engine.cli.common import add_name_options, set_threads, setup_logging
 from engine.cli.data_commands import add_allow_outside
 from engine.cli.main import add_threads_option
@@ -115,6 +116,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
     from engine.inference.evaluate import format_evaluation
 
     setup_logging(args.verbose)
+    check_bundle_file(args.model)  # a wrong file is said at once, not after the compute stack's import
     set_threads(args.threads)
     if args.json is not None and args.json.is_dir():
         raise ConfigError(f"{args.json}: is a folder; give a file name, e.g. {args.json / 'evaluation.json'}")
