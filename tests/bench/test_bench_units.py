@@ -244,6 +244,27 @@ def test_mean_std_and_format():
     assert fmt(*mean_std([])) == "—"
 
 
+def test_main_rows_reduce_each_method_over_its_seeds():
+    # the tiny preset (the end-to-end smoke test) runs one seed: the reduction over several is checked here
+    from engine.bench.cache import JobKey
+    from engine.bench.tables import main_rows
+
+    def result(dice: float, wall: float) -> dict:
+        return {"client_average": {"disc": dice + 0.1, "cup": dice - 0.1, "mean": dice}, "pooled": {"mean": dice},
+                "wall_s": wall, "bytes_per_round": {"site1": {"received_mean": 100.0, "sent_mean": 50.0}}}
+
+    results = {JobKey("fundus", "main", "fedavg", 0): result(0.70, 10.0),
+               JobKey("fundus", "main", "fedavg", 1): result(0.80, 12.0),
+               JobKey("fundus", "main", "fedsm", 1): result(0.75, 30.0),
+               JobKey("prostate", "main", "fedavg", 0): result(0.10, 1.0)}
+    fedavg, fedsm = main_rows(results, "fundus", ["fedavg", "fedsm"], ["disc", "cup"])
+    assert fedavg["seeds"] == [0, 1] and fedsm["seeds"] == [1]
+    assert fedavg["mean"] == (pytest.approx(0.75), pytest.approx(np.std([0.7, 0.8], ddof=1)), 2)
+    assert fmt(*fedavg["mean"]) == "0.7500 ± 0.0707" and fmt(*fedsm["mean"]) == "0.7500"
+    assert fedavg["disc"][0] == pytest.approx(0.85) and fedavg["wall_s"][0] == pytest.approx(11.0)
+    assert fedavg["received"][:2] == (100.0, 0.0)
+
+
 def test_round_hook_sees_every_round_and_changes_nothing(tmp_path):
     from engine.data.site_data import SiteData
     from engine.simulate import Simulation, SimulationConfig
