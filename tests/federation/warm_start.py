@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -135,12 +136,14 @@ class WarmStarter:
         return WarmProcess(int(reply["pid"]), argv, self.status_dir)
 
     def close(self) -> None:
+        """Stop the starter and remove its folder (socket, exit statuses, standard inputs, its log)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _read_line(conn: socket.socket) -> bytes:
