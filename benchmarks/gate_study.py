@@ -35,6 +35,10 @@ Rules compared (distances are squared Mahalanobis distances to the nearest site 
     ``loo``, and an image also counts as unlike every site when it lies beyond its nearest site's own
     conformal bound (the threshold at each image is the smaller of the two). Measured, not adopted:
     docs/results.md, "The gate at 32 px and the nearest site's own bound".
+``loo/case``
+    ``loo`` on whole cases: a volume's distance is the mean of its slices' distances, at calibration
+    (validation cases, leave-one-case-out training cases) and at routing (every slice of a volume goes
+    where the volume's mean puts it). For photos (one image per case) it is ``loo``.
 
 Example::
 
@@ -59,6 +63,7 @@ from engine.fl.style_gate import (
     distance_histogram,
     fit_style_gate,
     histogram_quantile,
+    leave_one_case_out_distances,
     site_threshold,
     style_descriptors,
     style_distances,
@@ -138,6 +143,30 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
     bounds = np.minimum(thr, [site_threshold(h["counts"].numpy(), DEFAULT_QUANTILE) for h in hists["loo"]])
     own = np.concatenate([(k == j) & (d <= bounds[k]) for j, (d, k) in enumerate(test)])
     out["loo+nearest"] = (float(own.mean()), float((ud > bounds[uk]).mean()))
+    # loo/case: a volume is judged whole, by the mean distance of its slices (calibrated the same way)
+    case_hists = [distance_histogram(np.concatenate([
+        case_means(style_distances(style_descriptors(s.validation.images), gate)[0], s.validation.case_ids),
+        case_means(leave_one_case_out_distances(style_descriptors(s.train.images), s.train.case_ids, gate, k),
+                   np.sort(s.train.case_ids))])) for k, s in enumerate(part)]
+    thr = threshold_from_histograms(case_hists, DEFAULT_QUANTILE)
+    own = np.concatenate([(k == j) & (per_image_case_mean(d, s.test.case_ids) <= thr)
+                          for j, ((d, k), s) in enumerate(zip(test, part, strict=True))])
+    unseen_cases = np.concatenate([x.case_ids + 100_000 * i for i, x in enumerate((u.train, u.validation, u.test))
+                                   if len(x.images)])
+    out["loo/case"] = (float(own.mean()), float((per_image_case_mean(ud, unseen_cases) > thr).mean()))
+    return out
+
+
+def case_means(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Mean distance of each case's images, one value per case (in ``np.unique`` order)."""
+    return np.array([distances[cases == c].mean() for c in np.unique(cases)]) if len(distances) else np.zeros(0)
+
+
+def per_image_case_mean(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Each image's case's mean distance (every slice of a volume gets the volume's value)."""
+    out = np.empty(len(distances))
+    for c in np.unique(cases):
+        out[cases == c] = distances[cases == c].mean()
     return out
 
 
