@@ -240,7 +240,7 @@ def validation_dice(bundle_path: Path, datalists: list[Path], image_size: int) -
         site = load_site(datalist, task, image_size)
         if not len(site.validation.images):
             continue
-        masks = predictor.predict(site.validation.images).masks
+        masks = predictor.predict(site.validation.images, cases=site.validation.case_ids).masks
         cleaned = np.stack([clean_fundus_masks(m) for m in masks])
         dice = dice_per_case(cleaned, site.validation.masks, site.validation.case_ids).mean(axis=0)
         out[site.name] = {name: float(d) for name, d in zip(task.label_names, dice, strict=True)}

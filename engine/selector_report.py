@@ -71,7 +71,7 @@ def _score(predictor: Any, site: SiteImages) -> _Scored:
     masks = []
     first = None
     for model in range(predictor.num_models):
-        pred = predictor.predict(site.images, force_model=model, routing_guard=False)
+        pred = predictor.predict(site.images, force_model=model, routing_guard=False, cases=site.case_ids)
         first = pred if first is None else first
         masks.append(pred.masks)
     return _Scored(np.asarray(first.probabilities), np.stack(masks), np.asarray(first.unlike_sites, dtype=bool),

@@ -493,7 +493,7 @@ class Simulation:
         val_dice: dict[str, float | None] = {}
         for site in self.sites:
             if len(site.validation.images):
-                pred = predictor.predict(site.validation.images)
+                pred = predictor.predict(site.validation.images, cases=site.validation.case_ids)
                 val_dice[site.name] = float(dice_per_case(pred.masks, site.validation.masks,
                                                           site.validation.case_ids).mean())
             else:
@@ -507,7 +507,7 @@ class Simulation:
         routing: dict[str, dict[str, float]] = {}
         preds: dict[int, Any] = {}
         for k, site in enumerate(self.sites):
-            pred = predictor.predict(site.test.images)
+            pred = predictor.predict(site.test.images, cases=site.test.case_ids)
             preds[k] = pred
             chosen = pred.routed_names(names)
             routing[site.name] = {m: chosen.count(m) / max(len(chosen), 1) for m in ["global", *names]}

@@ -245,9 +245,10 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
     Returns
     -------
     numpy.ndarray
-        ``float64 (N',)``: squared Mahalanobis distance of every image of every left-out case to the
-        nearest site mean of the refitted gate (the site's mean without the case, the other sites'
-        means as they are, the pooled covariance without the case's scatter), scaled by
+        ``float64 (N',)``, in the order of ``descriptors``: squared Mahalanobis distance of every
+        image of every left-out case to the nearest site mean of the refitted gate (the site's mean
+        without the case, the other sites' means as they are, the pooled covariance without the
+        case's scatter), scaled by
         ``(m^2 - 1) / m^2`` for a site with ``m`` training cases: a new case's expected distance to
         a mean of ``m`` cases against ``m - 1`` (``1 + 1/m`` against ``1 + 1/(m - 1)``). Empty
         when the site holds fewer than two cases (leaving its only case out leaves it no mean).
@@ -279,7 +280,7 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
         others = _pooled_scatter(precision, dof, shrinkage) - (f - mean).T @ (f - mean)
     n, total, outer = len(f), f.sum(0), f.T @ f
     factor = (m * m - 1.0) / (m * m)
-    out = []
+    out = np.empty(n)
     for case in ids:
         held = cases == case
         fc = f[held]
@@ -292,19 +293,40 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
             own = outer - fc.T @ fc - kept * np.outer(loo_mean, loo_mean)
             loo_precision = _shrunk_precision(others + own, dof - len(fc), shrinkage)
         dist, _ = style_distances(fc, {"means": loo_means, "precision": loo_precision, "sites": sites})
-        out.append(factor * dist)
-    return np.concatenate(out)
+        out[held] = factor * dist
+    return out
+
+
+def case_mean_distances(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Each case's mean distance, one value per case in ``np.unique(cases)`` order."""
+    d, c = np.asarray(distances, dtype=np.float64), np.asarray(cases)
+    if len(d) != len(c):
+        raise ConfigError(f"{len(d)} distances but {len(c)} case ids")
+    ids, index = np.unique(c, return_inverse=True)
+    return np.bincount(index, weights=d, minlength=len(ids)) / np.bincount(index, minlength=len(ids))
+
+
+def per_image_case_distances(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Each image's case's mean distance: every slice of a volume gets the volume's value."""
+    c = np.asarray(cases)
+    _, index = np.unique(c, return_inverse=True)
+    return case_mean_distances(distances, c)[index] if len(c) else np.zeros(0)
 
 
 def calibration_distances(gate: Mapping[str, object], site: int, train_images: np.ndarray,
-                          train_cases: np.ndarray, validation_images: np.ndarray | None = None) -> np.ndarray:
-    """The distances a site's last-round histogram counts: every image the gate has not seen.
+                          train_cases: np.ndarray, validation_images: np.ndarray | None = None,
+                          validation_cases: np.ndarray | None = None) -> np.ndarray:
+    """The distances a site's last-round histogram counts: every case the gate has not seen.
 
-    Its validation images' distances under ``gate``, and its training images' leave-one-case-out
-    distances (:func:`leave_one_case_out_distances`). A site without validation images thus sends
+    The gate judges cases (a volume by its slices' mean distance, a photo by its own: ``unit``
+    ``case`` of :data:`~engine.models.style_gate_format.GATE_UNITS`), so these are case means: its
+    validation cases' mean distances under ``gate``, and each training case's mean leave-one-case-out
+    distance (:func:`leave_one_case_out_distances`). A site without validation images thus sends
     honest distances of its training cases, not their distances to a mean and covariance fitted to
     them (0 for a site with one training image); a site with one training case and no validation
-    image sends none (the server leaves it out of the threshold).
+    image sends none (the server leaves it out of the threshold). Judging a volume whole keeps an
+    unseen prostate scanner out of the gate on more draws than judging slices (docs/results.md, "A
+    volume judged whole").
 
     Parameters
     ----------
@@ -314,12 +336,16 @@ def calibration_distances(gate: Mapping[str, object], site: int, train_images: n
         The site's routing index (0-based).
     train_images, train_cases
         The site's training images (as its descriptor sums were computed) and their case ids.
-    validation_images
-        The site's validation images, or ``None`` / empty.
+    validation_images, validation_cases
+        The site's validation images, or ``None`` / empty, and their case ids (``None``: each image a
+        case of its own).
     """
-    parts = [leave_one_case_out_distances(style_descriptors(train_images), train_cases, gate, site)]
+    loo = leave_one_case_out_distances(style_descriptors(train_images), train_cases, gate, site)
+    parts = [case_mean_distances(loo, train_cases) if len(loo) else loo]
     if validation_images is not None and len(validation_images):
-        parts.insert(0, style_distances(style_descriptors(validation_images), gate)[0])
+        val = style_distances(style_descriptors(validation_images), gate)[0]
+        cases = np.arange(len(val)) if validation_cases is None else np.asarray(validation_cases)
+        parts.insert(0, case_mean_distances(val, cases))
     return np.concatenate(parts)
 
 
@@ -460,25 +486,30 @@ def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -
             "means": gate["means"].double().tolist(),
             "precision": gate["precision"].double().tolist(),
             "threshold": threshold if np.isfinite(threshold) else None,
-            "quantile": float(gate["quantile"].reshape(-1)[0])}
+            "quantile": float(gate["quantile"].reshape(-1)[0]),
+            "unit": "case"}
 
 
-def gate_nearest(images: np.ndarray, meta: Mapping[str, object],
-                 site_names: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def gate_nearest(images: np.ndarray, meta: Mapping[str, object], site_names: Sequence[str],
+                 cases: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each image's nearest site under a bundle's gate, its distance, and whether it is outside.
 
-    ``images`` are at the U-Nets' input size, normalised as in training.
+    ``images`` are at the U-Nets' input size, normalised as in training; ``cases``: the case of each
+    image (the slices of one volume share one; ``None``: each image a case of its own).
 
     Returns
     -------
     tuple
-        ``distance float (N,)`` (squared Mahalanobis distance to the nearest site mean),
+        ``distance float (N,)`` (squared Mahalanobis distance to the nearest site mean; for a gate
+        that judges cases, the mean over the image's case, which is what the threshold bounds),
         ``nearest int64 (N,)`` (that site's routed model index, 1..K) and ``outside bool (N,)``
         (beyond the threshold: unlike every site the gate knows; all ``False`` without a threshold).
     """
     gate = {"means": meta["means"], "precision": meta["precision"],
             "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
     distance, nearest = style_distances(style_descriptors(images, str(meta["descriptor"])), gate)
+    if meta.get("unit", "image") == "case" and cases is not None:
+        distance = per_image_case_distances(distance, cases)
     threshold = meta["threshold"]
     outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]
                else np.zeros(len(distance), dtype=bool))

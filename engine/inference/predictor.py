@@ -224,6 +224,7 @@ class SuperModelPredictor:
         cancel: CancelCheck | None = None,
         routing_guard: bool | None = None,
         style_gate: bool | None = None,
+        cases: np.ndarray | None = None,
     ) -> Prediction:
         """Segment ``images`` with the routed super model.
 
@@ -252,6 +253,10 @@ class SuperModelPredictor:
             Send images unlike every participating site's images to the global model (the
             bundle's site-style gate, :mod:`engine.fl.style_gate`); ``None`` uses it when the
             bundle has one, ``False`` routes by the selector alone.
+        cases
+            The case of each image (the slices of one volume share one; ``None``: each image a case of
+            its own). A gate that judges cases (``style_gate["unit"] == "case"``) sends all of a case's
+            images to the global model, or none, by the mean distance of its images.
 
         Returns
         -------
@@ -307,7 +312,7 @@ class SuperModelPredictor:
             if self.selector is not None and meta.style_gate and meta.routing == "gamma":
                 # computed whenever the bundle has a gate, so forced and ungated runs still report it
                 distance, nearest, unlike = gate_nearest(resize_images(arr, meta.image_size), meta.style_gate,
-                                                         meta.site_names)
+                                                         meta.site_names, cases)
                 style = (distance, nearest)
             by_style = meta.site_routing == "style" and style is not None
             decisions = None

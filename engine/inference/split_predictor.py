@@ -82,8 +82,12 @@ class SplitPredictor:
 
     def predict(self, images: np.ndarray, gamma: float | None = None, batch_size: int = 16,
                 force_model: int | None = None, progress: ProgressCallback | None = None,
-                cancel: CancelCheck | None = None) -> Prediction:
-        """Masks of ``images`` (normalised ``float32 (N, C, H, W)``) with site ``force_model``'s nets."""
+                cancel: CancelCheck | None = None, cases: np.ndarray | None = None) -> Prediction:
+        """Masks of ``images`` (normalised ``float32 (N, C, H, W)``) with site ``force_model``'s nets.
+
+        ``cases`` is accepted as :meth:`SuperModelPredictor.predict` takes it and not used: a split
+        bundle has no style gate.
+        """
         names = self.metadata.site_names
         if force_model is None:
             raise ConfigError(f"this {self.metadata.method} bundle segments with one site's client net; choose the "

@@ -322,7 +322,7 @@ def segment_with(
         images = np.ascontiguousarray(images[(slice(None), slice(None), *box.slices())])
     prediction = predictor.predict(
         images, gamma=gamma, batch_size=batch_size, force_model=forced,
-        progress=progress, cancel=cancel,
+        progress=progress, cancel=cancel, cases=np.zeros(len(images), dtype=np.int64),  # a study is one case
     )
     if study.kind == "photo":
         masks = prediction.masks[0]

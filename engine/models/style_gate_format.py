@@ -56,11 +56,18 @@ def check_quantile(quantile: float) -> float:
     return float(quantile)
 
 
+#: What the gate judges: ``image`` (each image by its own distance; bundles before 2026-11-30 have no
+#: ``unit`` and judge images) or ``case`` (a volume by the mean distance of its slices; a photo is a case).
+GATE_UNITS = ("image", "case")
+
+
 def check_gate_metadata(meta: Mapping[str, object], site_names: Sequence[str], channels: int) -> None:
     """Check a bundle's ``style_gate`` field; :class:`ConfigError` names the first problem."""
     keys = {"descriptor", "sites", "means", "precision", "threshold", "quantile"}
-    if set(meta) != keys:
-        raise ConfigError(f"style_gate must have the keys {sorted(keys)}, got {sorted(meta)}")
+    if set(meta) - {"unit"} != keys:
+        raise ConfigError(f"style_gate must have the keys {sorted(keys)} (and optionally 'unit'), got {sorted(meta)}")
+    if meta.get("unit", "image") not in GATE_UNITS:
+        raise ConfigError(f"style_gate unit must be one of {', '.join(GATE_UNITS)}, got {meta['unit']!r}")
     if meta["descriptor"] not in PER_CHANNEL:
         raise ConfigError(f"style_gate uses descriptor {meta['descriptor']!r}; this FedSM knows "
                           f"{', '.join(PER_CHANNEL)}")

@@ -60,9 +60,11 @@ def test_leave_one_case_out_equals_the_gate_refitted_without_the_case() -> None:
     gate = fit_style_gate([_sums(a), _sums(b), _sums(c)])
     got = leave_one_case_out_distances(a, cases, gate, 0)
     m = 5
-    expected = [style_distances(a[cases == case], fit_style_gate([_sums(a[cases != case]), _sums(b), _sums(c)]))[0]
-                * (m * m - 1) / (m * m) for case in np.unique(cases)]
-    np.testing.assert_allclose(got, np.concatenate(expected), rtol=1e-8)
+    expected = np.empty(len(a))  # in the images' order
+    for case in np.unique(cases):
+        expected[cases == case] = style_distances(
+            a[cases == case], fit_style_gate([_sums(a[cases != case]), _sums(b), _sums(c)]))[0] * (m * m - 1) / (m * m)
+    np.testing.assert_allclose(got, expected, rtol=1e-8)
     # the same for the site in the middle of the routing order, whose mean is the gate's second row
     cases_b = np.arange(7)
     got_b = leave_one_case_out_distances(b, cases_b, gate, 1)
@@ -83,19 +85,24 @@ def test_sites_with_one_case_or_outside_the_gate() -> None:
         leave_one_case_out_distances(a, np.array([0]), gate, 0)
 
 
-def test_calibration_distances_are_validation_then_leave_one_case_out() -> None:
+def test_calibration_distances_are_validation_then_leave_one_case_out_case_means() -> None:
     rng = np.random.default_rng(5)
     dark, bright = rng.random((4, 1, 8, 8)) * 0.5, rng.random((5, 1, 8, 8)) * 0.5 + 0.5
     gate = fit_style_gate([style_statistics(dark), style_statistics(bright)])
     cases = np.array([0, 0, 1, 2])
-    val = rng.random((2, 1, 8, 8)) * 0.5
-    got = calibration_distances(gate, 0, dark, cases, val)
-    np.testing.assert_allclose(got[:2], style_distances(style_descriptors(val), gate)[0])
-    np.testing.assert_allclose(got[2:], leave_one_case_out_distances(style_descriptors(dark), cases, gate, 0))
+    val = rng.random((3, 1, 8, 8)) * 0.5
+    # one distance per case (the gate judges a volume by its slices' mean): validation cases, then training
+    got = calibration_distances(gate, 0, dark, cases, val, np.array([7, 7, 3]))
+    val_d = style_distances(style_descriptors(val), gate)[0]
+    np.testing.assert_allclose(got[:2], [val_d[2], val_d[:2].mean()])  # cases 3 and 7, in id order
+    loo = leave_one_case_out_distances(style_descriptors(dark), cases, gate, 0)
+    np.testing.assert_allclose(got[2:], [loo[:2].mean(), loo[2], loo[3]])
+    # validation images without case ids: each its own case
+    assert len(calibration_distances(gate, 0, dark, cases, val)) == 3 + 3
     # no validation images: the training cases' honest distances, not their distances to a mean fitted to them
     in_sample = style_distances(style_descriptors(dark), gate)[0]
     honest = calibration_distances(gate, 0, dark, cases, None)
-    assert len(honest) == 4 and np.all(honest > in_sample)
+    assert len(honest) == 3 and np.all(honest > [in_sample[:2].mean(), in_sample[2], in_sample[3]])
     # one training image and no validation image: nothing to send, so the server leaves the site out
     lone = fit_style_gate([style_statistics(dark[:1]), style_statistics(bright)])
     assert calibration_distances(lone, 0, dark[:1], np.array([0]), np.zeros((0, 1, 8, 8))).size == 0

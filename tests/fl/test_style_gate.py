@@ -158,3 +158,20 @@ def test_bundle_metadata_round_trip_and_routing() -> None:
     unlimited = gate_metadata({**state, "threshold": torch.tensor([float("inf")], dtype=torch.float64)}, ["a", "b"])
     assert unlimited["threshold"] is None
     assert not gate_nearest(mid_grey, unlimited, ["a", "b"])[2].any()
+    # a case is judged whole, by its images' mean distance (a new bundle's gate says unit "case")
+    assert meta["unit"] == "case"
+    with pytest.raises(ConfigError, match="unit"):
+        check_gate_metadata({**meta, "unit": "slice"}, ["a", "b"], 1)
+    volume = np.concatenate([dark[:3], mid_grey[:1]])  # three slices like site a, one unlike every site
+    per_image = gate_nearest(volume, meta, ["a", "b"])[2]
+    assert per_image.tolist() == [False, False, False, True]
+    distance, _, whole = gate_nearest(volume, meta, ["a", "b"], cases=np.zeros(4))
+    mean = float(style_distances(style_descriptors(volume), gate)[0].mean())
+    np.testing.assert_allclose(distance, mean)
+    assert whole.tolist() == [mean > threshold] * 4  # all four slices go the same way
+    two = gate_nearest(np.concatenate([dark[:2], mid_grey]), meta, ["a", "b"], cases=np.array([0, 0, 1, 1]))[2]
+    assert two.tolist() == [False, False, True, True]  # a like case and an unlike one
+    # a bundle from before the unit (no "unit": it judged images) keeps judging images
+    old = {k: v for k, v in meta.items() if k != "unit"}
+    check_gate_metadata(old, ["a", "b"], 1)
+    assert gate_nearest(volume, old, ["a", "b"], cases=np.zeros(4))[2].tolist() == per_image.tolist()

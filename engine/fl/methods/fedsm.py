@@ -521,11 +521,11 @@ class FedSM(FederatedMethod):
             if self.gamma_pass is not None or self.compares_routings:
                 parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
         if GATE_PART in w:
-            # images the gate has not seen: the validation images, and each training case under the gate
+            # cases the gate has not seen: the validation cases, and each training case under the gate
             # refitted without it (engine.fl.style_gate.calibration_distances); only the histogram leaves the site
             parts[HIST_PART] = distance_histogram(calibration_distances(
                 w[GATE_PART], site.index, site.train.images, site.train.case_ids,
-                val.images if val is not None else None))
+                val.images if val is not None else None, val.case_ids if val is not None else None))
             if self.compares_routings:
                 _, nearest = style_distances(style_descriptors(images), w[GATE_PART])
                 parts[ROUTING_PART] = style_routing_statistics(nearest, site.index)
