@@ -28,17 +28,18 @@ Rules compared (distances are squared Mahalanobis distances to the nearest site 
     sites of each site's conformal bound, ``SITE_MARGIN`` x its largest distance where it has too
     few) on the validation distances alone.
 ``loo``
-    The engine's rule on what a site sends since that change (``calibration_distances``): its
-    validation images' distances and each training case's distance under the gate refitted
-    without that case, times ``(m^2 - 1) / m^2``.
+    The engine's rule on what a site sent from that change until 891cb49: its validation images'
+    distances and each training image's distance under the gate refitted without its case, times
+    ``(m^2 - 1) / m^2``; images judged one by one.
 ``loo+nearest``
     ``loo``, and an image also counts as unlike every site when it lies beyond its nearest site's own
     conformal bound (the threshold at each image is the smaller of the two). Measured, not adopted:
     docs/results.md, "The gate at 32 px and the nearest site's own bound".
 ``loo/case``
-    ``loo`` on whole cases: a volume's distance is the mean of its slices' distances, at calibration
-    (validation cases, leave-one-case-out training cases) and at routing (every slice of a volume goes
-    where the volume's mean puts it). For photos (one image per case) it is ``loo``.
+    The engine's rule since 891cb49 (``calibration_distances``): ``loo`` on whole cases, a volume's
+    distance being the mean of its slices' distances, at calibration (validation cases,
+    leave-one-case-out training cases) and at routing (every slice of a volume goes where the
+    volume's mean puts it). For photos (one image per case) it is ``loo``.
 
 Example::
 
@@ -64,6 +65,7 @@ from engine.fl.style_gate import (
     fit_style_gate,
     histogram_quantile,
     leave_one_case_out_distances,
+    per_image_case_distances,
     site_threshold,
     style_descriptors,
     style_distances,
@@ -131,9 +133,12 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
         thr = threshold([d / scale[k] for d, k in val])
         own = np.concatenate([(k == j) & (d / scale[k] <= thr) for j, (d, k) in enumerate(test)])
         out[rule] = (float(own.mean()), float((ud / scale[uk] > thr).mean()))
+    # loo: the engine's rule before it judged cases, per image (validation images, then each training image
+    # under the gate refitted without its case)
     hists = {"conformal": [distance_histogram(d) for d, _ in val],
-             "loo": [distance_histogram(calibration_distances(gate, k, s.train.images, s.train.case_ids,
-                                                              s.validation.images)) for k, s in enumerate(part)]}
+             "loo": [distance_histogram(np.concatenate([
+                 d, leave_one_case_out_distances(style_descriptors(s.train.images), s.train.case_ids, gate, k)]))
+                 for k, ((d, _), s) in enumerate(zip(val, part, strict=True))]}
     for rule, h in hists.items():
         thr = threshold_from_histograms(h, DEFAULT_QUANTILE)
         own = np.concatenate([(k == j) & (d <= thr) for j, (d, k) in enumerate(test)])
@@ -143,30 +148,16 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
     bounds = np.minimum(thr, [site_threshold(h["counts"].numpy(), DEFAULT_QUANTILE) for h in hists["loo"]])
     own = np.concatenate([(k == j) & (d <= bounds[k]) for j, (d, k) in enumerate(test)])
     out["loo+nearest"] = (float(own.mean()), float((ud > bounds[uk]).mean()))
-    # loo/case: a volume is judged whole, by the mean distance of its slices (calibrated the same way)
-    case_hists = [distance_histogram(np.concatenate([
-        case_means(style_distances(style_descriptors(s.validation.images), gate)[0], s.validation.case_ids),
-        case_means(leave_one_case_out_distances(style_descriptors(s.train.images), s.train.case_ids, gate, k),
-                   np.sort(s.train.case_ids))])) for k, s in enumerate(part)]
+    # loo/case: the engine's rule since 891cb49, a volume judged whole by its slices' mean distance
+    case_hists = [distance_histogram(calibration_distances(gate, k, s.train.images, s.train.case_ids,
+                                                           s.validation.images, s.validation.case_ids))
+                  for k, s in enumerate(part)]
     thr = threshold_from_histograms(case_hists, DEFAULT_QUANTILE)
-    own = np.concatenate([(k == j) & (per_image_case_mean(d, s.test.case_ids) <= thr)
+    own = np.concatenate([(k == j) & (per_image_case_distances(d, s.test.case_ids) <= thr)
                           for j, ((d, k), s) in enumerate(zip(test, part, strict=True))])
     unseen_cases = np.concatenate([x.case_ids + 100_000 * i for i, x in enumerate((u.train, u.validation, u.test))
                                    if len(x.images)])
-    out["loo/case"] = (float(own.mean()), float((per_image_case_mean(ud, unseen_cases) > thr).mean()))
-    return out
-
-
-def case_means(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
-    """Mean distance of each case's images, one value per case (in ``np.unique`` order)."""
-    return np.array([distances[cases == c].mean() for c in np.unique(cases)]) if len(distances) else np.zeros(0)
-
-
-def per_image_case_mean(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
-    """Each image's case's mean distance (every slice of a volume gets the volume's value)."""
-    out = np.empty(len(distances))
-    for c in np.unique(cases):
-        out[cases == c] = distances[cases == c].mean()
+    out["loo/case"] = (float(own.mean()), float((per_image_case_distances(ud, unseen_cases) > thr).mean()))
     return out
 
 

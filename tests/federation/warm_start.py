@@ -72,16 +72,6 @@ class WarmProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
 
 class WarmStarter:
     """The test side: starts the starter process on first use, then asks it for processes."""
@@ -93,8 +83,13 @@ class WarmStarter:
         self.status_dir = self._dir / "status"
 
     def _ensure_started(self) -> None:
-        self.prepare()
-        assert self._proc is not None
+        """Start the starter on first use and wait until it has imported :data:`PRELOAD`."""
+        if self._proc is None:
+            self.status_dir.mkdir()
+            with (self._dir / "starter.log").open("ab") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, __file__, str(self.socket_path), str(self.status_dir), str(os.getpid())],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.socket_path.exists():
             if self._proc.poll() is not None:
@@ -103,14 +98,6 @@ class WarmStarter:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the warm starter was not ready within {READY_TIMEOUT_S:.0f} s")
             time.sleep(0.05)
-
-    def prepare(self) -> None:
-        """Start the starter's imports now (they run while the caller does other work)."""
-        if self._proc is None:
-            self.status_dir.mkdir()
-            self._proc = subprocess.Popen(
-                [sys.executable, __file__, str(self.socket_path), str(self.status_dir), str(os.getpid())],
-                stdin=subprocess.DEVNULL, stdout=(self._dir / "starter.log").open("ab"), stderr=subprocess.STDOUT)
 
     def start(self, argv: list[str], log: Path, cwd: Path, env: dict[str, str], stdin: bytes | None
               ) -> WarmProcess | None:
