@@ -65,6 +65,9 @@ def test_a_warm_module_runs_as_main_and_a_killed_one_reports_the_signal(procs, t
     assert waiting.poll() is None
     os.kill(waiting.pid, signal.SIGKILL)
     assert waiting.wait(timeout=30) == -signal.SIGKILL  # as Popen.returncode says it
+    terminated = procs.start([sys.executable, str(script), "wait", "0"], tmp_path / "terminated.out")
+    terminated.terminate()  # Popen's methods too (test_loopback_faults.py stops its impostor so)
+    assert terminated.wait(timeout=30) == -signal.SIGTERM
 
 
 def test_an_error_in_a_warm_process_is_its_traceback_and_status_1(procs, tmp_path):

@@ -72,6 +72,16 @@ class WarmProcess:
         assert self.returncode is not None
         return self.returncode
 
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 class WarmStarter:
     """The test side: starts the starter process on first use, then asks it for processes."""
