@@ -352,7 +352,7 @@ class Simulation:
         method = build_exchange_method(name, self.task, [s.name for s in self.sites], settings)
         runtimes = self._runtimes()
         for runtime in runtimes:  # privacy noise seeded from the run's seed, so that a simulation repeats; a
-            # network site draws a secret one (engine.fl.methods.contract.NOISE_SEED_KEY)
+            # network site draws it from the OS's secure generator (engine.fl.methods.contract.NOISE_SEED_KEY)
             runtime.state[NOISE_SEED_KEY] = derived_seed(self.cfg.seed, "dp-noise", runtime.name)
         self._attach_round_hook(method, runtimes)
         ledger = LedgerWriter(method, self.out_dir / f"{name}-ledger.jsonl")  # what every exchange carried

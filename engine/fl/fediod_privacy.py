@@ -92,6 +92,10 @@ def clip_and_noise(gradient: torch.Tensor, clip_norm: float, noise_multiplier: f
                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, float]:
     """Clip ``gradient`` (as one vector) to L2 norm ``clip_norm``, then add ``N(0, (sigma C)^2)`` per element.
 
+    ``generator``: a seeded torch generator for noise that repeats (a simulation); ``None`` (a
+    network site) draws the noise from the operating system's secure generator
+    (:func:`engine.fl.secure_noise.secure_gaussian`), which no one can predict or repeat.
+
     Returns
     -------
     released, norm
@@ -100,13 +104,19 @@ def clip_and_noise(gradient: torch.Tensor, clip_norm: float, noise_multiplier: f
     """
     import torch
 
+    from engine.fl.secure_noise import secure_gaussian
+
     g = gradient.detach().to(torch.float32)
     norm = float(torch.linalg.vector_norm(g))
     scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
     released = g * scale
     if noise_multiplier > 0:
-        noise = torch.randn(g.shape, generator=generator, dtype=torch.float32)
-        released = released + noise.to(g.device) * (noise_multiplier * clip_norm)
+        std = noise_multiplier * clip_norm
+        if generator is None:
+            noise = secure_gaussian(g.shape, std)
+        else:
+            noise = torch.randn(g.shape, generator=generator, dtype=torch.float32) * std
+        released = released + noise.to(g.device)
     return released, norm
 
 

@@ -28,7 +28,7 @@ from engine.fl.fediod_losses import discriminator_loss
 from engine.fl.fediod_nets import PatchDiscriminator
 from engine.fl.fediod_privacy import PrivacySetting, clip_and_noise, epsilon_spent
 from engine.fl.local_training import Device, LocalTrainingConfig, RoundContext, train_segmentation_round
-from engine.fl.methods.contract import noise_seed
+from engine.fl.methods.contract import noise_generator
 from engine.fl.weights import clone_weights
 from engine.models import build_segmentation_net
 
@@ -54,8 +54,9 @@ class SiteState:
     noise_multiplier: float
     #: draws the site's real batches for its discriminator (seeded from the run's seed: reproducible)
     rng: torch.Generator
-    #: draws its privacy noise (seeded from the site's own secret, :func:`noise_seed`)
-    noise_rng: torch.Generator
+    #: draws its privacy noise where it must repeat (a simulation, :func:`noise_generator`); ``None``: the
+    #: operating system's secure generator (:mod:`engine.fl.secure_noise`), every network site
+    noise_rng: torch.Generator | None
     releases: int = 0
     pending: dict[int, torch.Tensor] = field(default_factory=dict)
     teacher_metrics: dict[str, float] = field(default_factory=dict)
@@ -150,10 +151,9 @@ def setup_site(task: TaskSpec, site: SiteRuntime, config: dict[str, Any], defaul
     noise = privacy.resolved_noise(int(config["releases"]))
     rng = torch.Generator()
     rng.manual_seed((seed + 2) % (2**63))
-    # the noise's seed is the site's own, never the coordinator's `seed`: knowing it, the coordinator could
-    # regenerate every draw and subtract it from the released gradients
-    noise_rng = torch.Generator()
-    noise_rng.manual_seed(noise_seed(site))
+    # the noise is never seeded from the coordinator's `seed`: knowing it, the coordinator could regenerate
+    # every draw and subtract it from the released gradients; a network site's comes from the OS's CSPRNG
+    noise_rng = noise_generator(site)
     return SiteState(teacher, disc, opt, privacy, noise, rng, noise_rng, teacher_metrics=metrics)
 
 
@@ -236,7 +236,8 @@ def mirror_state(site: SiteRuntime, state: SiteState, teacher: bool = True) -> N
     A transport that keeps only weight dicts between messages (e.g. through
     :func:`engine.federation.checkpoint.save_site_state`) can then rebuild the site with
     :func:`restore_state`. The discriminator's Adam moments are not kept (a restored site starts a
-    fresh Adam); everything else, both random generators and the release count included, is.
+    fresh Adam); everything else, the batch generator, a seeded noise generator (secure noise has no
+    state) and the release count included, is.
     The teacher never changes after setup, so ``teacher=False`` skips copying it again.
     """
     if teacher or "fediod/teacher" not in site.state:
@@ -250,8 +251,9 @@ def mirror_state(site: SiteRuntime, state: SiteState, teacher: bool = True) -> N
             "delta": torch.tensor(p.delta, dtype=torch.float64),
             "epsilon_target": torch.tensor(math.nan if p.epsilon is None else p.epsilon, dtype=torch.float64),
             "rng": state.rng.get_state().clone(),
-            "noise_rng": state.noise_rng.get_state().clone(),
             "lr_d": torch.tensor(state.optimizer.param_groups[0]["lr"], dtype=torch.float64)}
+    if state.noise_rng is not None:  # secure noise has no state to keep
+        info["noise_rng"] = state.noise_rng.get_state().clone()
     for step, images in state.pending.items():
         info["pending_step"] = torch.tensor(step, dtype=torch.int64)
         info["pending_images"] = images.detach().cpu().clone()
@@ -281,11 +283,9 @@ def restore_state(task: TaskSpec, site: SiteRuntime, device: str = "auto") -> Si
                              clip_norm=float(info["clip_norm"]), delta=float(info["delta"]))
     rng = torch.Generator()
     rng.set_state(info["rng"].clone())
-    noise_rng = torch.Generator()
-    if "noise_rng" in info:
+    noise_rng = noise_generator(site)  # None on a network site: secure noise, whatever an older version kept
+    if noise_rng is not None and "noise_rng" in info:
         noise_rng.set_state(info["noise_rng"].clone())
-    else:  # mirrored before the noise had its own generator: a fresh secret one
-        noise_rng.manual_seed(noise_seed(site))
     pending = {int(info["pending_step"]): info["pending_images"].to(dev)} if "pending_images" in info else {}
     metrics = {k.removeprefix("metric/"): float(v) for k, v in info.items() if k.startswith("metric/")}
     return SiteState(teacher, disc, opt, privacy, float(info["noise_multiplier"]), rng, noise_rng,

@@ -104,14 +104,17 @@ def test_dp_step_clips_to_the_norm_keeps_direction_and_leaves_small_gradients():
     assert torch.allclose(clip_and_noise(small, 1.0, 0.0)[0], small)
 
 
-def test_dp_step_adds_gaussian_noise_of_the_stated_scale():
-    # Prepare: a huge gradient (clipped to C) plus noise sigma * C per element, fixed seed
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded (simulation)", "secure (network site)"])
+def test_dp_step_adds_gaussian_noise_of_the_stated_scale(seeded):
+    # Prepare: a huge gradient (clipped to C) plus noise sigma * C per element; a seeded generator (a
+    # simulation) or none (a network site: the operating system's secure generator)
     clip, sigma = 0.5, 2.0
     g = torch.ones(200_000) * 100.0
     # Execute
-    released, _ = clip_and_noise(g, clip, sigma, torch.Generator().manual_seed(123))
+    released, _ = clip_and_noise(g, clip, sigma, torch.Generator().manual_seed(123) if seeded else None)
     noise = released - g / g.norm() * clip
     # Assert: mean 0 and std sigma * C = 1.0 within a few standard errors (n = 2e5)
+    assert released.dtype == torch.float32 and released.shape == g.shape
     assert abs(float(noise.mean())) < 5 * sigma * clip / math.sqrt(noise.numel())
     assert float(noise.std()) == pytest.approx(sigma * clip, rel=0.01)
     kurtosis = float(((noise / noise.std()) ** 4).mean())
@@ -228,18 +231,38 @@ def test_factory_reads_the_simulation_settings():
         build_fediod("fediod", FUNDUS, ["a"], {"image_size": 30})
 
 
-def test_a_site_rebuilt_from_its_weight_dicts_answers_as_before():
-    # Prepare: a transport that keeps only weight dicts between messages (save_site_state does)
+def _site_after_one_query(noise_seed=None):
+    """A site set up with DP on and asked one query; ``noise_seed``: a simulation's repeatable noise."""
     from engine.fl.exchange import Request
+    from engine.fl.methods.contract import NOISE_SEED_KEY
 
     site = tiny_sites(1)[0]
     site.state["privacy"] = PrivacySetting(noise_multiplier=1.0)
+    if noise_seed is not None:
+        site.state[NOISE_SEED_KEY] = noise_seed
     method = tiny_method([site])
     method.answer(Request("setup", config={**method._setup_config(), "seed": 1}), site)
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
     method.answer(Request("query", {"images": x}, {"step": 0}), site)
+    return site, method
+
+
+def _twin(site):
+    """``site`` rebuilt from the weight dicts a transport keeps (and the simulation's noise seed)."""
+    from engine.fl.methods.contract import NOISE_SEED_KEY
+
     kept = {k: v for k, v in site.state.items() if isinstance(v, dict)}
-    twin = SiteRuntime(site.name, 0, site.train, {**kept, "teacher_factory": site.state["teacher_factory"]})
+    if NOISE_SEED_KEY in site.state:
+        kept[NOISE_SEED_KEY] = site.state[NOISE_SEED_KEY]
+    return SiteRuntime(site.name, 0, site.train, {**kept, "teacher_factory": site.state["teacher_factory"]})
+
+
+def test_a_site_rebuilt_from_its_weight_dicts_answers_as_before():
+    # Prepare: a simulated site (repeatable noise) and its twin rebuilt from what save_site_state keeps
+    from engine.fl.exchange import Request
+
+    site, method = _site_after_one_query(noise_seed=11)
+    twin = _twin(site)
     gz, gd = torch.randn(2, 2, 32, 32), torch.randn(2, 1, 4, 4)
     # Execute
     original = method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), site)
@@ -249,21 +272,34 @@ def test_a_site_rebuilt_from_its_weight_dicts_answers_as_before():
     assert twin.state[STATE_KEY].releases == site.state[STATE_KEY].releases == 1
 
 
+def test_a_network_site_keeps_no_noise_state_and_a_rebuilt_one_still_draws_secure_noise():
+    # Prepare: a network site (no noise seed of its own) and its twin rebuilt from its weight dicts
+    from engine.fl.exchange import Request
+    from engine.fl.fediod_site import mirror_state
+
+    site, method = _site_after_one_query()
+    mirror_state(site, site.state[STATE_KEY], teacher=False)
+    twin = _twin(site)
+    gz, gd = torch.randn(2, 2, 32, 32), torch.randn(2, 1, 4, 4)
+    # Execute
+    original = method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), site)
+    rebuilt = method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), twin)
+    # Assert: nothing of the noise is kept (there is no generator state to leak or restore) ...
+    assert site.state[STATE_KEY].noise_rng is None and twin.state[STATE_KEY].noise_rng is None
+    assert "noise_rng" not in site.state["fediod/site"]
+    # ... the twin answers with the same clipped gradient plus its own fresh noise (std 1.0 per element)
+    difference = original.tensors["input_grad"] - rebuilt.tensors["input_grad"]
+    assert float(difference.std()) == pytest.approx(math.sqrt(2.0), rel=0.05)
+    assert twin.state[STATE_KEY].releases == site.state[STATE_KEY].releases == 1
+
+
 def test_a_sites_dp_noise_is_its_own_secret_not_a_function_of_what_the_coordinator_sent():
     # Prepare: two runs of one site with the same data, teacher and coordinator messages (seed included),
     # DP on; as a network site, neither holds a noise seed of its own
     from engine.fl.exchange import Request
-    from engine.fl.methods.contract import NOISE_SEED_KEY
 
     def released(noise_seed=None):
-        site = tiny_sites(1)[0]
-        site.state["privacy"] = PrivacySetting(noise_multiplier=1.0)
-        if noise_seed is not None:
-            site.state[NOISE_SEED_KEY] = noise_seed
-        method = tiny_method([site])
-        method.answer(Request("setup", config={**method._setup_config(), "seed": 1}), site)
-        x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
-        method.answer(Request("query", {"images": x}, {"step": 0}), site)
+        site, method = _site_after_one_query(noise_seed)
         gz = torch.randn(2, 2, 32, 32, generator=torch.Generator().manual_seed(6))
         gd = torch.randn(2, 1, 4, 4, generator=torch.Generator().manual_seed(7))
         return method.answer(Request("gradient", {"logit_grad": gz, "score_grad": gd}, {"step": 0}), site)

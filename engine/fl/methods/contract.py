@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -72,20 +71,25 @@ class SiteUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-#: ``SiteRuntime.state`` key of the seed of a site's privacy noise, chosen by whoever runs the site. A site
-#: without one draws a secret seed (:func:`noise_seed`): noise added for differential privacy must be
-#: unknown to the coordinator, which could otherwise regenerate it and subtract it from what the site
-#: released. ``fedsm simulate`` sets it (one process, no one to hide the noise from) so experiments repeat.
+#: ``SiteRuntime.state`` key of the seed of a site's privacy noise, set only where the noise must repeat:
+#: ``fedsm simulate`` sets it (one process, no one to hide the noise from) so experiments repeat. A site
+#: without one (every network site) draws its noise from the operating system's secure generator
+#: (:mod:`engine.fl.secure_noise`): noise added for differential privacy must be unknown to the
+#: coordinator, which could otherwise regenerate it and subtract it from what the site released.
 NOISE_SEED_KEY = "dp_noise_seed"
 
 
-def noise_seed(site: SiteRuntime) -> int:
-    """The seed of ``site``'s privacy noise: its :data:`NOISE_SEED_KEY`, else 63 secret random bits.
+def noise_generator(site: SiteRuntime) -> torch.Generator | None:
+    """A torch generator seeded with ``site``'s :data:`NOISE_SEED_KEY`; ``None`` (secure noise) without one.
 
-    Never a seed the coordinator sent or can derive: the run's seed is known to it.
+    Never seeded from anything the coordinator sent or can derive: the run's seed is known to it.
     """
     value = site.state.get(NOISE_SEED_KEY)
-    return int(value) if value is not None else secrets.randbits(63)
+    if value is None:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(int(value))
+    return generator
 
 
 @dataclass
