@@ -224,7 +224,7 @@ def _pooled_scatter(precision: np.ndarray, dof: float, shrinkage: float) -> np.n
 
 
 def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gate: Mapping[str, object],
-                                 site: int) -> np.ndarray:
+                                 site: int, pool_cases: bool = False) -> np.ndarray:
     """Each training image's distance under the gate refitted without its case, times ``(m^2 - 1) / m^2``.
 
     Computed at the site from its own descriptors and the gate it received; only a histogram of the
@@ -241,6 +241,9 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
         ``shrinkage`` (:data:`SITE_GATE_KEYS`); without those two only the site's mean is refitted.
     site
         The site's routing index (0-based).
+    pool_cases
+        Give every image of a case the distance of the case's mean descriptor instead of its own
+        (a rule ``benchmarks/gate_study.py`` measures as ``loo/pooled``; not the engine's).
 
     Returns
     -------
@@ -292,7 +295,8 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
         if refit:
             own = outer - fc.T @ fc - kept * np.outer(loo_mean, loo_mean)
             loo_precision = _shrunk_precision(others + own, dof - len(fc), shrinkage)
-        dist, _ = style_distances(fc, {"means": loo_means, "precision": loo_precision, "sites": sites})
+        probe = fc.mean(0, keepdims=True) if pool_cases else fc
+        dist, _ = style_distances(probe, {"means": loo_means, "precision": loo_precision, "sites": sites})
         out[held] = factor * dist
     return out
 
