@@ -106,7 +106,8 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
                     model_names: Sequence[str], decisions: Sequence[GuardDecision] | None,
                     forced: bool = False, argmax: bool = False,
                     unlike_sites: np.ndarray | None = None,
-                    style: tuple[np.ndarray, float | None] | None = None) -> list[str]:
+                    style: tuple[np.ndarray, float | None] | None = None,
+                    gate: tuple[np.ndarray, float, np.ndarray] | None = None) -> list[str]:
     """One sentence per image saying why it went to the model that segmented it.
 
     Parameters
@@ -120,6 +121,10 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
     style
         With style routing (bundle ``site_routing: "style"``): each image's squared distance to
         its nearest site under the gate, and the gate's threshold (``None``: no limit).
+    gate
+        For the sentence of an image the gate sent to global: each image's distance as the gate
+        judged it, the threshold, and how many images its case holds (a gate that judges cases
+        decides a volume whole, so the sentence names the volume and its mean distance).
     """
     conf = np.asarray(probs).max(axis=1) if len(probs) else np.zeros(0)
     out = []
@@ -130,8 +135,7 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         elif argmax:
             out.append(f"{name}: most likely model for the selector (p {conf[i]:.2f})")
         elif unlike_sites is not None and unlike_sites[i]:
-            out.append(f"global (style gate): the image is unlike every participating site's images "
-                       f"(selector confidence {conf[i]:.2f})")
+            out.append(f"global (style gate): {_gate_sentence(gate, i, float(conf[i]))}")
         elif style is not None:
             limit = "no limit" if style[1] is None else f"threshold {style[1]:.1f}"
             alike = (f"{model_names[int(c)]}'s images are the most alike "
@@ -154,6 +158,20 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
                 out.append(f"global (routing guard): selector confidence {conf[i]:.2f} > gamma {gamma:.2f} for "
                            f"{d.site}, but {d.why}")
     return out
+
+
+def _gate_sentence(gate: tuple[np.ndarray, float, np.ndarray] | None, i: int, confidence: float) -> str:
+    """Why the gate found image ``i`` unlike every site: the image's (or its volume's) distance and the bound."""
+    selector = f"selector confidence {confidence:.2f}"
+    if gate is None:
+        return f"the image is unlike every participating site's images ({selector})"
+    distance, threshold, case_sizes = gate
+    size = int(case_sizes[i])
+    if size > 1:
+        return (f"its volume ({size} images, judged whole) is unlike every participating site's images "
+                f"(mean style distance {float(distance[i]):.1f} > threshold {threshold:.1f}; {selector})")
+    return (f"the image is unlike every participating site's images "
+            f"(style distance {float(distance[i]):.1f} > threshold {threshold:.1f}; {selector})")
 
 
 def site_validation_from_state(state: Mapping[str, Mapping[str, object]],

@@ -56,6 +56,9 @@ class Prediction:
     nearest_site
         ``int64 (N,)``: the site (1..K) whose images each image is most alike under the gate,
         what style routing picks inside the gate; all 0 without a gate.
+    style_distance
+        ``float64 (N,)``: each image's distance to that site as the gate judged it (for a gate that
+        judges cases, its case's mean, which the threshold bounds); NaN without a gate.
     """
 
     masks: np.ndarray
@@ -66,6 +69,7 @@ class Prediction:
     guarded: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     unlike_sites: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     nearest_site: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    style_distance: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float64))
 
     def routed_names(self, site_names: Sequence[str]) -> list[str]:
         """Name of the model used per image: ``"global"`` or the site's name."""
@@ -109,6 +113,22 @@ def _fit_weights(net: nn.Module, weights: Mapping[str, torch.Tensor], what: str,
         net.load_state_dict(dict(weights), strict=True)
     except RuntimeError as exc:  # dtype or other problems the checks above do not cover
         raise BundleError(f"{where}: the weights of the {what} cannot be loaded ({exc})") from exc
+
+
+def _gate_detail(style: tuple[np.ndarray, np.ndarray] | None, gate: Mapping[str, object] | None,
+                 cases: np.ndarray | None, n: int) -> tuple[np.ndarray, float, np.ndarray] | None:
+    """What a routing reason says of the gate: each image's judged distance, the threshold, its case's size.
+
+    ``None`` when the bundle has no gate or the gate no threshold. A gate that judges images (an older
+    bundle), or images given without cases, counts every image as a case of one.
+    """
+    if style is None or not gate or gate.get("threshold") is None:
+        return None
+    sizes = np.ones(n, dtype=np.int64)
+    if gate.get("unit", "image") == "case" and cases is not None:
+        _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
+        sizes = counts[index]
+    return style[0], float(gate["threshold"]), sizes  # type: ignore[arg-type]
 
 
 def _batches(count: int, batch_size: int) -> Iterator[slice]:
@@ -335,7 +355,8 @@ class SuperModelPredictor:
             reasons = routing_reasons(chosen, routed, probs, threshold, meta.model_names, decisions,
                                       forced=force_model is not None, argmax=meta.routing == "argmax",
                                       unlike_sites=unlike if (gate_on or by_style) else None,
-                                      style=(style[0], meta.style_gate["threshold"]) if by_style else None)
+                                      style=(style[0], meta.style_gate["threshold"]) if by_style else None,
+                                      gate=_gate_detail(style, meta.style_gate, cases, n))
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))
@@ -356,6 +377,7 @@ class SuperModelPredictor:
             guarded=guarded,
             unlike_sites=unlike,
             nearest_site=nearest,
+            style_distance=style[0] if style is not None else np.full(n, np.nan),
         )
 
     @staticmethod

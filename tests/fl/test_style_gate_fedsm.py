@@ -115,7 +115,17 @@ def test_predictor_sends_unlike_images_to_global_and_says_why(tmp_path):
     assert pred.routed.tolist() == [1, 1, 0, 0]
     assert pred.unlike_sites.tolist() == [False, False, True, True]
     assert pred.reasons[2].startswith("global (style gate): the image is unlike every participating site's images")
+    threshold = loaded.metadata.style_gate["threshold"]
+    assert pred.reasons[2].endswith(f"(style distance {pred.style_distance[2]:.1f} > threshold {threshold:.1f}; "
+                                    "selector confidence 1.00)")
     assert pred.reasons[0].startswith("s1: selector confidence 1.00 > gamma 0.60")
+    # a volume is judged whole (the bundle's gate judges cases): the sentence names the volume and its mean
+    volume = predictor.predict(np.concatenate([dark[:1], bright]), cases=np.zeros(3))
+    assert volume.routed.tolist() == [0, 0, 0]
+    mean = float(volume.style_distance.mean())
+    assert all(r.startswith("global (style gate): its volume (3 images, judged whole) is unlike every "
+                            f"participating site's images (mean style distance {mean:.1f} > threshold") for r in
+               volume.reasons)
     ungated = predictor.predict(bright, style_gate=False)
     assert ungated.routed.tolist() == [1, 1] and ungated.unlike_sites.tolist() == [True, True]
 
