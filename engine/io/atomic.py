@@ -15,7 +15,9 @@ def atomic_path(target: str | os.PathLike[str]) -> Iterator[Path]:
 
     The temporary file keeps ``target``'s suffixes so writers that pick a format from the
     name (nibabel, Pillow) behave the same. On any exception the temporary file is removed
-    and ``target`` is left as it was.
+    and ``target`` is left as it was. Its name starts with ``.``: a reader that lists a folder
+    another process writes into by suffix (``*.settings.json``, ``*.pub.pem``) sees it while it
+    is written and must skip it (``pathlib``'s glob matches dot-files).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)

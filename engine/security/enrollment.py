@@ -60,5 +60,7 @@ def enrolled_keys(enrolled_dir: Path) -> dict[str, bytes]:
         return {}
     out: dict[str, bytes] = {}
     for path in sorted(folder.glob("*.pub.pem")):
+        if path.name.startswith("."):  # a key being written (engine.io.atomic's temporary file), not a site
+            continue
         out[path.name[: -len(".pub.pem")]] = public_key_pem(load_public_key(path))
     return out

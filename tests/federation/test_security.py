@@ -73,6 +73,14 @@ def test_site_keys_and_enrolment(tmp_path):
     assert set(enrollment.enrolled_keys(enrolled)) == {"site1"}
     with pytest.raises(ConfigError, match="not enrolled"):
         enrollment.remove_site(enrolled, "site2")
+    # a key being enrolled beside them (engine.io.atomic's temporary file keeps the ".pub.pem" suffixes) is
+    # not a site, and its half-written bytes are not read
+    from engine.io.atomic import atomic_path
+
+    with atomic_path(enrollment.enrolled_key_path(enrolled, "site3")) as half_written:
+        half_written.write_bytes(b"-----BEGIN PUB")
+        assert half_written.name.endswith(".pub.pem")
+        assert set(enrollment.enrolled_keys(enrolled)) == {"site1"}
 
 
 def test_keys_that_cannot_authenticate_are_refused(tmp_path, pki):

@@ -117,3 +117,19 @@ def test_the_dialog_lists_the_settings_and_answers(qtbot):
         qtbot.mouseClick(panel.run_dialog.decline_button, Qt.MouseButton.LeftButton)
     assert answered.args == [False]
     panel.run_dialog.deleteLater()
+
+
+def test_a_question_being_written_is_not_read_as_one(tmp_path):
+    # Prepare: the SuperNode's side has asked about run 7 and is writing a question for run 9: its atomic
+    # write's temporary file keeps the target's suffixes (".9.settings.<random>.tmp.settings.json")
+    from engine.federation.flower.run_confirmation import ask, pending, record
+    from engine.io.atomic import atomic_path
+
+    assert ask(tmp_path, 7, {"method": "fedsm"}, timeout=0.0) is None
+    with atomic_path(tmp_path / "9.settings.json") as half_written:
+        half_written.write_text('{"meth')
+        assert half_written.name.endswith(".settings.json")  # what the site's glob matches
+        # Execute / Assert: the site sees run 7's question only, and does not fail on the temporary file
+        assert pending(tmp_path) == [(7, {"method": "fedsm"})]
+    record(tmp_path, 7, accepted=True)
+    assert pending(tmp_path) == []

@@ -78,7 +78,12 @@ def pending(folder: Path) -> list[tuple[int, dict[str, Any]]]:
     """Questions without an answer yet (the site process's side), oldest run first."""
     out = []
     for question in sorted(folder.glob("*.settings.json")) if folder.is_dir() else []:
-        run = int(question.name.split(".", 1)[0])
+        run_text = question.name.removesuffix(".settings.json")
+        if not run_text.isdigit():
+            # not a question: e.g. a question being written (engine.io.atomic's temporary file keeps the
+            # target's suffixes, ".7.settings.x1y2.tmp.settings.json"), which once crashed the site here
+            continue
+        run = int(run_text)
         if answer_of(folder, run) is None:
             try:
                 out.append((run, json.loads(question.read_text())))
