@@ -40,10 +40,6 @@ Rules compared (distances are squared Mahalanobis distances to the nearest site 
     distance being the mean of its slices' distances, at calibration (validation cases,
     leave-one-case-out training cases) and at routing (every slice of a volume goes where the
     volume's mean puts it). For photos (one image per case) it is ``loo``.
-``loo/pooled``
-    ``loo/case`` with a volume's distance taken of its slices' mean descriptor instead of the mean
-    of its slices' distances (``leave_one_case_out_distances(..., pool_cases=True)``). Measured, not
-    adopted: docs/results.md, "A volume judged whole".
 
 Example::
 
@@ -65,7 +61,6 @@ from engine.fl.style_gate import (
     DEFAULT_QUANTILE,
     SITE_MARGIN,
     calibration_distances,
-    case_mean_distances,
     distance_histogram,
     fit_style_gate,
     histogram_quantile,
@@ -113,16 +108,6 @@ def threshold(val_scores: list[np.ndarray]) -> float:
     edges = [histogram_quantile(distance_histogram(s)["counts"].numpy(), DEFAULT_QUANTILE) for s in val_scores
              if len(s)]
     return float(SITE_MARGIN * np.median(edges)) if edges else float("inf")
-
-
-def pooled_case_distances(images: np.ndarray, case_ids: np.ndarray,
-                          gate: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Distance and nearest site of each case's mean descriptor: per image (both), and per case."""
-    f = style_descriptors(images)
-    ids, index = np.unique(case_ids, return_inverse=True)
-    means = np.stack([f[index == i].mean(0) for i in range(len(ids))])
-    d, k = style_distances(means, gate)
-    return d[index], k[index], d
 
 
 def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dict[str, tuple[float, float]]:
@@ -173,22 +158,6 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
     unseen_cases = np.concatenate([x.case_ids + 100_000 * i for i, x in enumerate((u.train, u.validation, u.test))
                                    if len(x.images)])
     out["loo/case"] = (float(own.mean()), float((per_image_case_distances(ud, unseen_cases) > thr).mean()))
-    # loo/pooled: a volume judged by the distance of its slices' mean descriptor
-    pooled_hists = []
-    for k, s in enumerate(part):
-        loo = leave_one_case_out_distances(style_descriptors(s.train.images), s.train.case_ids, gate, k,
-                                           pool_cases=True)
-        parts = [case_mean_distances(loo, s.train.case_ids) if len(loo) else loo]
-        if len(s.validation.images):
-            parts.insert(0, pooled_case_distances(s.validation.images, s.validation.case_ids, gate)[2])
-        pooled_hists.append(distance_histogram(np.concatenate(parts)))
-    thr = threshold_from_histograms(pooled_hists, DEFAULT_QUANTILE)
-    own = []
-    for j, s in enumerate(part):
-        d, k, _ = pooled_case_distances(s.test.images, s.test.case_ids, gate)
-        own.append((k == j) & (d <= thr))
-    ud2, _, _ = pooled_case_distances(unseen_images, unseen_cases, gate)
-    out["loo/pooled"] = (float(np.concatenate(own).mean()), float((ud2 > thr).mean()))
     return out
 
 

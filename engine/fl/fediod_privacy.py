@@ -104,8 +104,6 @@ def clip_and_noise(gradient: torch.Tensor, clip_norm: float, noise_multiplier: f
     """
     import torch
 
-    from engine.fl.secure_noise import secure_gaussian
-
     g = gradient.detach().to(torch.float32)
     norm = float(torch.linalg.vector_norm(g))
     scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
@@ -113,6 +111,8 @@ def clip_and_noise(gradient: torch.Tensor, clip_norm: float, noise_multiplier: f
     if noise_multiplier > 0:
         std = noise_multiplier * clip_norm
         if generator is None:
+            from engine.fl.secure_noise import secure_gaussian
+
             noise = secure_gaussian(g.shape, std)
         else:
             noise = torch.randn(g.shape, generator=generator, dtype=torch.float32) * std

@@ -224,7 +224,7 @@ def _pooled_scatter(precision: np.ndarray, dof: float, shrinkage: float) -> np.n
 
 
 def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gate: Mapping[str, object],
-                                 site: int, pool_cases: bool = False) -> np.ndarray:
+                                 site: int) -> np.ndarray:
     """Each training image's distance under the gate refitted without its case, times ``(m^2 - 1) / m^2``.
 
     Computed at the site from its own descriptors and the gate it received; only a histogram of the
@@ -241,9 +241,6 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
         ``shrinkage`` (:data:`SITE_GATE_KEYS`); without those two only the site's mean is refitted.
     site
         The site's routing index (0-based).
-    pool_cases
-        Give every image of a case the distance of the case's mean descriptor instead of its own
-        (a rule ``benchmarks/gate_study.py`` measures as ``loo/pooled``; not the engine's).
 
     Returns
     -------
@@ -295,8 +292,7 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
         if refit:
             own = outer - fc.T @ fc - kept * np.outer(loo_mean, loo_mean)
             loo_precision = _shrunk_precision(others + own, dof - len(fc), shrinkage)
-        probe = fc.mean(0, keepdims=True) if pool_cases else fc
-        dist, _ = style_distances(probe, {"means": loo_means, "precision": loo_precision, "sites": sites})
+        dist, _ = style_distances(fc, {"means": loo_means, "precision": loo_precision, "sites": sites})
         out[held] = factor * dist
     return out
 
@@ -494,6 +490,11 @@ def gate_metadata(gate: Mapping[str, torch.Tensor], site_names: Sequence[str]) -
             "unit": "case"}
 
 
+def judges_cases(meta: Mapping[str, object], cases: np.ndarray | None) -> bool:
+    """Whether a bundle's gate judges these images by case: its ``unit`` is ``case`` and cases are given."""
+    return meta.get("unit", "image") == "case" and cases is not None
+
+
 def gate_nearest(images: np.ndarray, meta: Mapping[str, object], site_names: Sequence[str],
                  cases: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each image's nearest site under a bundle's gate, its distance, and whether it is outside.
@@ -512,7 +513,7 @@ def gate_nearest(images: np.ndarray, meta: Mapping[str, object], site_names: Seq
     gate = {"means": meta["means"], "precision": meta["precision"],
             "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
     distance, nearest = style_distances(style_descriptors(images, str(meta["descriptor"])), gate)
-    if meta.get("unit", "image") == "case" and cases is not None:
+    if judges_cases(meta, cases):
         distance = per_image_case_distances(distance, cases)
     threshold = meta["threshold"]
     outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
-from engine.fl.style_gate import gate_nearest, route_by_style
+from engine.fl.style_gate import gate_nearest, judges_cases, route_by_style
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import confidence, route_fedsm, route_fedsm_extra, routing_gamma
 from engine.models import build_segmentation_net, build_selector
@@ -125,7 +125,7 @@ def _gate_detail(style: tuple[np.ndarray, np.ndarray] | None, gate: Mapping[str,
     if style is None or not gate or gate.get("threshold") is None:
         return None
     sizes = np.ones(n, dtype=np.int64)
-    if gate.get("unit", "image") == "case" and cases is not None:
+    if judges_cases(gate, cases):
         _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
         sizes = counts[index]
     return style[0], float(gate["threshold"]), sizes  # type: ignore[arg-type]
