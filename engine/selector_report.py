@@ -11,7 +11,8 @@ index into those predictions. Reported:
   (label = the image's site), and its accuracy there;
 - ``routing_per_gamma``: per gamma, the fraction of seen images routed to the global model, to
   their own site's model and to another site's model, and the fraction of unseen images
-  routed to the global model (guard off: the selector alone); with a site-style gate
+  routed to the global model (guard off: the selector alone; a volume decided whole by its
+  slices' mean probabilities where the gate judges cases, as the super model routes); with a site-style gate
   (:mod:`engine.fl.style_gate`) each row also has ``seen_gated`` / ``unseen_gated``, the same
   with the gate applied;
 - ``style_gate``: the gate's threshold and quantile and the share of seen and unseen images it
@@ -42,7 +43,7 @@ from engine.fl.evaluation import dice_per_case
 from engine.fl.selector_training import confidence_summary, expected_calibration_error
 from engine.fl.style_gate import route_by_style
 from engine.inference.guard import apply_guard, guard_decisions
-from engine.inference.routing import route_fedsm
+from engine.inference.routing import case_mean_probabilities, route_fedsm
 
 #: Gammas at which routing is reported (the paper's Table 5 range).
 REPORT_GAMMAS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
@@ -61,6 +62,7 @@ class SiteImages:
 @dataclass
 class _Scored:
     probs: np.ndarray  # (N, K) selector softmax
+    decided: np.ndarray  # (N, K) what routing compares with gamma: probs, or each volume's mean rows
     masks: np.ndarray  # (models, N, L, H, W) every model's masks
     unlike: np.ndarray  # (N,) bool: the style gate finds the image unlike every site (False without a gate)
     nearest: np.ndarray  # (N,) int: the gate's nearest site, 1..K (0 without a gate)
@@ -74,7 +76,9 @@ def _score(predictor: Any, site: SiteImages) -> _Scored:
         pred = predictor.predict(site.images, force_model=model, routing_guard=False, cases=site.case_ids)
         first = pred if first is None else first
         masks.append(pred.masks)
-    return _Scored(np.asarray(first.probabilities), np.stack(masks), np.asarray(first.unlike_sites, dtype=bool),
+    probs = np.asarray(first.probabilities)
+    decided = case_mean_probabilities(probs, site.case_ids) if predictor.decides_volumes(site.case_ids) else probs
+    return _Scored(probs, decided, np.stack(masks), np.asarray(first.unlike_sites, dtype=bool),
                    np.asarray(first.nearest_site, dtype=np.int64))
 
 
@@ -96,6 +100,7 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
     seen_scored = [_score(predictor, s) for s in seen]
     labels = np.concatenate([np.full(len(s.images), names.index(s.name)) for s in seen])
     probs = np.concatenate([sc.probs for sc in seen_scored])
+    decided = np.concatenate([sc.decided for sc in seen_scored])
     unseen_scored = _score(predictor, unseen) if unseen is not None and len(unseen.images) else None
     out: dict[str, Any] = {
         "calibration": meta.extra.get("selector_calibration", "none"),
@@ -123,12 +128,12 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
 
     per_gamma = []
     for g in sorted({float(x) for x in gammas} | {float(gamma)}):  # the run's gamma has its row too
-        routed = route_fedsm(probs, g)
+        routed = route_fedsm(decided, g)
         row: dict[str, Any] = {"gamma": float(g), "seen": shares(routed)}
         if gate:
             row["seen_gated"] = shares(_gated(routed, unlike))
         if unseen_scored is not None:
-            r_u = route_fedsm(unseen_scored.probs, g)
+            r_u = route_fedsm(unseen_scored.decided, g)
             row["unseen"] = {"global": float((r_u == 0).mean()), "site": float((r_u != 0).mean())}
             if gate:
                 r_g = _gated(r_u, unseen_scored.unlike)
@@ -148,7 +153,7 @@ def selector_report(predictor: Any, seen: Sequence[SiteImages], unseen: SiteImag
     by_style = gate and meta.site_routing == "style"
 
     def dice_for(scored: _Scored, site: SiteImages) -> dict[str, float]:
-        selector_alone = route_fedsm(scored.probs, gamma)
+        selector_alone = route_fedsm(scored.decided, gamma)
         style_routed = route_by_style(scored.nearest, scored.unlike) if gate else selector_alone
         chosen = style_routed if by_style else _gated(selector_alone, scored.unlike) if gate else selector_alone
         guarded, _ = apply_guard(chosen, decisions)

@@ -354,16 +354,27 @@ def style_distances(descriptors: np.ndarray, gate: Mapping[str, object]) -> tupl
 
     ``gate`` holds ``means``, ``precision`` and ``sites`` as tensors or nested lists.
     """
+    dist, sites = style_distance_matrix(descriptors, gate)
+    if dist.shape[1] == 0:
+        return np.full(len(dist), np.inf), np.full(len(dist), -1, dtype=np.int64)
+    nearest = dist.argmin(1)
+    return dist[np.arange(len(dist)), nearest], sites[nearest]
+
+
+def style_distance_matrix(descriptors: np.ndarray, gate: Mapping[str, object]) -> tuple[np.ndarray, np.ndarray]:
+    """Squared Mahalanobis distance of every descriptor to every site mean of ``gate``.
+
+    Returns ``float64 (N, K')`` distances and the ``int64 (K',)`` routing index (0-based) of each
+    column's site; ``(N, 0)`` for a gate without means.
+    """
     means = np.asarray(_array(gate["means"]), dtype=np.float64)
     precision = np.asarray(_array(gate["precision"]), dtype=np.float64)
     sites = np.asarray(_array(gate["sites"]), dtype=np.int64)
     f = np.asarray(descriptors, dtype=np.float64)
-    if len(f) == 0 or len(means) == 0:
-        return np.full(len(f), np.inf), np.full(len(f), -1, dtype=np.int64)
+    if len(means) == 0:
+        return np.zeros((len(f), 0)), sites
     diff = f[:, None, :] - means[None, :, :]  # (N, K', d)
-    dist = np.einsum("nkd,de,nke->nk", diff, precision, diff)
-    nearest = dist.argmin(1)
-    return dist[np.arange(len(f)), nearest], sites[nearest]
+    return np.einsum("nkd,de,nke->nk", diff, precision, diff), sites
 
 
 def distance_histogram(distances: np.ndarray) -> dict[str, torch.Tensor]:
@@ -506,14 +517,24 @@ def gate_nearest(images: np.ndarray, meta: Mapping[str, object], site_names: Seq
     -------
     tuple
         ``distance float (N,)`` (squared Mahalanobis distance to the nearest site mean; for a gate
-        that judges cases, the mean over the image's case, which is what the threshold bounds),
-        ``nearest int64 (N,)`` (that site's routed model index, 1..K) and ``outside bool (N,)``
+        that judges cases, the mean over the image's case of each image's distance to its nearest
+        site, which is what the threshold bounds), ``nearest int64 (N,)`` (the nearest site's routed
+        model index, 1..K; for a gate that judges cases, the site with the smallest mean distance
+        over the case, so every slice of a volume has one nearest site) and ``outside bool (N,)``
         (beyond the threshold: unlike every site the gate knows; all ``False`` without a threshold).
     """
     gate = {"means": meta["means"], "precision": meta["precision"],
             "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
-    distance, nearest = style_distances(style_descriptors(images, str(meta["descriptor"])), gate)
-    if judges_cases(meta, cases):
+    matrix, sites = style_distance_matrix(style_descriptors(images, str(meta["descriptor"])), gate)
+    if matrix.shape[1] == 0:
+        distance, nearest = np.full(len(matrix), np.inf), np.full(len(matrix), -1, dtype=np.int64)
+    else:
+        distance, nearest = matrix.min(1), sites[matrix.argmin(1)]
+    if judges_cases(meta, cases) and matrix.shape[1]:
+        _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
+        case_matrix = np.zeros((len(counts), matrix.shape[1]))
+        np.add.at(case_matrix, index, matrix)
+        nearest = sites[case_matrix.argmin(1)][index]
         distance = per_image_case_distances(distance, cases)
     threshold = meta["threshold"]
     outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]

@@ -107,7 +107,8 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
                     forced: bool = False, argmax: bool = False,
                     unlike_sites: np.ndarray | None = None,
                     style: tuple[np.ndarray, float | None] | None = None,
-                    gate: tuple[np.ndarray, float, np.ndarray] | None = None) -> list[str]:
+                    gate: tuple[np.ndarray, float, np.ndarray] | None = None,
+                    volume_sizes: np.ndarray | None = None) -> list[str]:
     """One sentence per image saying why it went to the model that segmented it.
 
     Parameters
@@ -125,8 +126,19 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         For the sentence of an image the gate sent to global: each image's distance as the gate
         judged it, the threshold, and how many images its case holds (a gate that judges cases
         decides a volume whole, so the sentence names the volume and its mean distance).
+    volume_sizes
+        How many images each image's volume holds, where the routing decided volumes whole
+        (``probs`` then hold each volume's mean selector probabilities; ``None``: images decided one
+        by one): the sentences then speak of the volume.
     """
     conf = np.asarray(probs).max(axis=1) if len(probs) else np.zeros(0)
+    sizes = np.ones(len(conf), dtype=np.int64) if volume_sizes is None else np.asarray(volume_sizes)
+
+    def selector(i: int) -> str:
+        if sizes[i] > 1:
+            return f"its volume's selector confidence {conf[i]:.2f} (mean over {int(sizes[i])} images)"
+        return f"selector confidence {conf[i]:.2f}"
+
     out = []
     for i, (c, f) in enumerate(zip(chosen, final, strict=True)):
         name = model_names[int(f)]
@@ -135,11 +147,13 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         elif argmax:
             out.append(f"{name}: most likely model for the selector (p {conf[i]:.2f})")
         elif unlike_sites is not None and unlike_sites[i]:
-            out.append(f"global (style gate): {_gate_sentence(gate, i, float(conf[i]))}")
+            out.append(f"global (style gate): {_gate_sentence(gate, i, selector(i))}")
         elif style is not None:
             limit = "no limit" if style[1] is None else f"threshold {style[1]:.1f}"
-            alike = (f"{model_names[int(c)]}'s images are the most alike "
-                     f"(style distance {float(style[0][i]):.1f}, {limit})")
+            whose = f"{model_names[int(c)]}'s images are the most alike"
+            alike = (f"{whose} its volume ({int(sizes[i])} images; mean style distance "
+                     f"{float(style[0][i]):.1f}, {limit})" if sizes[i] > 1 else
+                     f"{whose} (style distance {float(style[0][i]):.1f}, {limit})")
             if decisions is None:
                 out.append(f"{name}: {alike} (routing guard off)")
             elif decisions[int(c) - 1].allowed:
@@ -147,22 +161,24 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
             else:
                 out.append(f"global (routing guard): {alike}, but {decisions[int(c) - 1].why}")
         elif int(c) == 0:
-            out.append(f"global: selector confidence {conf[i]:.2f} <= gamma {gamma:.2f}")
+            out.append(f"global: {selector(i)} <= gamma {gamma:.2f}")
         elif decisions is None:
-            out.append(f"{name}: selector confidence {conf[i]:.2f} > gamma {gamma:.2f} (routing guard off)")
+            out.append(f"{name}: {selector(i)} > gamma {gamma:.2f} (routing guard off)")
         else:
             d = decisions[int(c) - 1]
             if d.allowed:
-                out.append(f"{name}: selector confidence {conf[i]:.2f} > gamma {gamma:.2f}, and {d.why}")
+                out.append(f"{name}: {selector(i)} > gamma {gamma:.2f}, and {d.why}")
             else:
-                out.append(f"global (routing guard): selector confidence {conf[i]:.2f} > gamma {gamma:.2f} for "
+                out.append(f"global (routing guard): {selector(i)} > gamma {gamma:.2f} for "
                            f"{d.site}, but {d.why}")
     return out
 
 
-def _gate_sentence(gate: tuple[np.ndarray, float, np.ndarray] | None, i: int, confidence: float) -> str:
-    """Why the gate found image ``i`` unlike every site: the image's (or its volume's) distance and the bound."""
-    selector = f"selector confidence {confidence:.2f}"
+def _gate_sentence(gate: tuple[np.ndarray, float, np.ndarray] | None, i: int, selector: str) -> str:
+    """Why the gate found image ``i`` unlike every site: the image's (or its volume's) distance and the bound.
+
+    ``selector``: what the sentence says of the selector's confidence.
+    """
     if gate is None:
         return f"the image is unlike every participating site's images ({selector})"
     distance, threshold, case_sizes = gate

@@ -21,7 +21,13 @@ from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
 from engine.fl.style_gate import gate_nearest, judges_cases, route_by_style
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
-from engine.inference.routing import confidence, route_fedsm, route_fedsm_extra, routing_gamma
+from engine.inference.routing import (
+    case_mean_probabilities,
+    confidence,
+    route_fedsm,
+    route_fedsm_extra,
+    routing_gamma,
+)
 from engine.models import build_segmentation_net, build_selector
 
 ProgressCallback = Callable[[int, int], None]
@@ -42,9 +48,11 @@ class Prediction:
     routed
         ``int64 (N,)`` model that segmented each image: 0 = global, k = site k.
     probabilities
-        ``float32 (N, K)`` (FedSM) or ``(N, K + 1)`` (FedSM-extra) selector softmax.
+        ``float32 (N, K)`` (FedSM) or ``(N, K + 1)`` (FedSM-extra) selector softmax, per image.
     confidence
-        ``float32 (N,)`` largest selector probability.
+        ``float32 (N,)`` the selector confidence routing compared with gamma: the largest selector
+        probability of the image, or, where the bundle's gate judges cases and cases are given, the
+        largest of its volume's mean probabilities (a volume is routed whole).
     reasons
         One sentence per image: why it went to its model (:mod:`engine.inference.guard`).
     guarded
@@ -124,11 +132,14 @@ def _gate_detail(style: tuple[np.ndarray, np.ndarray] | None, gate: Mapping[str,
     """
     if style is None or not gate or gate.get("threshold") is None:
         return None
-    sizes = np.ones(n, dtype=np.int64)
-    if judges_cases(gate, cases):
-        _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
-        sizes = counts[index]
+    sizes = _case_sizes(cases) if judges_cases(gate, cases) else np.ones(n, dtype=np.int64)
     return style[0], float(gate["threshold"]), sizes  # type: ignore[arg-type]
+
+
+def _case_sizes(cases: np.ndarray) -> np.ndarray:
+    """How many images each image's case holds."""
+    _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
+    return counts[index]
 
 
 def _batches(count: int, batch_size: int) -> Iterator[slice]:
@@ -335,6 +346,11 @@ class SuperModelPredictor:
                                                          meta.site_names, cases)
                 style = (distance, nearest)
             by_style = meta.site_routing == "style" and style is not None
+            # a gate that judges cases decides a volume whole: the gate (gate_nearest), the nearest
+            # site and the selector's choice, from its slices' mean probabilities, so one model
+            # segments every slice of a volume
+            by_case = self.decides_volumes(cases)
+            decided = case_mean_probabilities(probs, cases) if by_case else probs
             decisions = None
             if self.selector is None:  # a single-model bundle
                 chosen = np.zeros(n, dtype=np.int64)
@@ -345,18 +361,19 @@ class SuperModelPredictor:
                 chosen = route_fedsm_extra(probs)
             else:
                 # style routing ignores style_gate=False: without the gate it has no "none of them"
-                chosen = route_by_style(style[1], unlike) if by_style else route_fedsm(probs, threshold)
+                chosen = route_by_style(style[1], unlike) if by_style else route_fedsm(decided, threshold)
                 if gate_on:
                     chosen = np.where(unlike, 0, chosen).astype(np.int64)
                 if guard_on:
                     decisions = guard_decisions(meta.site_names, meta.site_validation)
             routed, guarded = (apply_guard(chosen, decisions) if decisions is not None
                                else (chosen, np.zeros(n, dtype=bool)))
-            reasons = routing_reasons(chosen, routed, probs, threshold, meta.model_names, decisions,
+            reasons = routing_reasons(chosen, routed, decided, threshold, meta.model_names, decisions,
                                       forced=force_model is not None, argmax=meta.routing == "argmax",
                                       unlike_sites=unlike if (gate_on or by_style) else None,
                                       style=(style[0], meta.style_gate["threshold"]) if by_style else None,
-                                      gate=_gate_detail(style, meta.style_gate, cases, n))
+                                      gate=_gate_detail(style, meta.style_gate, cases, n),
+                                      volume_sizes=_case_sizes(cases) if by_case else None)
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))
@@ -372,13 +389,24 @@ class SuperModelPredictor:
             masks=masks,
             routed=routed,
             probabilities=probs,
-            confidence=confidence(probs).astype(np.float32),
+            confidence=confidence(decided).astype(np.float32),
             reasons=reasons,
             guarded=guarded,
             unlike_sites=unlike,
             nearest_site=nearest,
             style_distance=style[0] if style is not None else np.full(n, np.nan),
         )
+
+    def decides_volumes(self, cases: np.ndarray | None) -> bool:
+        """Whether :meth:`predict` routes these images volume by volume rather than image by image.
+
+        True for a FedSM bundle routing by gamma whose site-style gate judges cases (``unit``
+        ``case``), given the images' cases: the gate, the nearest site and the selector's choice
+        (from the volume's mean probabilities) are then decided once per volume.
+        """
+        meta = self.metadata
+        return (self.selector is not None and bool(meta.style_gate) and meta.routing == "gamma"
+                and judges_cases(meta.style_gate, cases))
 
     @staticmethod
     def _segment(net: nn.Module, x: torch.Tensor, height: int, width: int) -> np.ndarray:

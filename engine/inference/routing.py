@@ -58,6 +58,33 @@ def confidence(probs: np.ndarray) -> np.ndarray:
     return p.max(axis=1)
 
 
+def case_mean_probabilities(probs: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Each image's row replaced by its case's mean selector probabilities, shape ``(N, C)``.
+
+    A volume is routed whole (its slices decided as one, by their mean): one model segments every
+    slice, so a 3-D mask is never stitched from two models' slices, and averaging a volume's slices
+    takes out the slice-to-slice noise of the selector. Photos are cases of one image and keep
+    their own rows.
+
+    Parameters
+    ----------
+    probs
+        ``(N, C)`` selector softmax.
+    cases
+        ``(N,)`` case id per image (the slices of one volume share one).
+    """
+    p = _check_probs(probs, 1, "C")
+    c = np.asarray(cases)
+    if c.shape != (p.shape[0],):
+        raise ConfigError(f"{p.shape[0]} selector rows but case ids of shape {c.shape}")
+    if p.shape[0] == 0:
+        return p.copy()
+    _, index, counts = np.unique(c, return_inverse=True, return_counts=True)
+    sums = np.zeros((len(counts), p.shape[1]), dtype=np.float64)
+    np.add.at(sums, index, p)
+    return (sums / counts[:, None])[index].astype(p.dtype)
+
+
 def route_fedsm(probs: np.ndarray, gamma: float) -> np.ndarray:
     """FedSM routing (paper, Algorithm 2).
 

@@ -130,6 +130,65 @@ def test_predictor_sends_unlike_images_to_global_and_says_why(tmp_path):
     assert ungated.routed.tolist() == [1, 1] and ungated.unlike_sites.tolist() == [True, True]
 
 
+class ScriptedSelector(nn.Module):
+    """Site 1 with probability 0.9 for a dark image (mean below 0.15), 0.3 (so site 2 with 0.7) otherwise."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = torch.where(x.mean(dim=(1, 2, 3)) < 0.15, 0.9, 0.3)
+        return torch.stack([p.log(), (1 - p).log()], dim=1)
+
+
+def test_a_volume_goes_to_one_model_decided_by_its_slices_mean_probabilities():
+    bundle, dark = _gated_bundle()
+    predictor = SuperModelPredictor(bundle, device="cpu")
+    predictor.selector = ScriptedSelector()
+    like_s1, like_s2 = dark[:1], dark[:1] + 0.1  # both inside the gate
+    # image by image (no cases): the selector's per-image choice, site 1 then site 2
+    assert predictor.predict(np.concatenate([like_s1, like_s2])).routed.tolist() == [1, 2]
+    # one volume of the two: mean p(site 1) 0.6, not above gamma 0.6, so the whole volume to global
+    whole = predictor.predict(np.concatenate([like_s1, like_s2]), cases=np.zeros(2))
+    assert whole.routed.tolist() == [0, 0]
+    np.testing.assert_allclose(whole.confidence, [0.6, 0.6], atol=1e-6)
+    np.testing.assert_allclose(whole.probabilities[:, 0], [0.9, 0.3], atol=1e-6)  # still per slice
+    assert whole.reasons == ["global: its volume's selector confidence 0.60 (mean over 2 images) <= gamma 0.60"] * 2
+    # two slices like site 1 and one like site 2: every slice to site 1 (mean 0.7), not one to site 2
+    three = predictor.predict(np.concatenate([like_s1, like_s1, like_s2]), cases=np.zeros(3))
+    assert three.routed.tolist() == [1, 1, 1]
+    assert three.reasons[2].startswith("s1: its volume's selector confidence 0.70 (mean over 3 images) > gamma 0.60")
+    # two volumes are decided each on its own
+    two = predictor.predict(np.concatenate([like_s1, like_s1, like_s2]), cases=np.array([4, 4, 1]))
+    assert two.routed.tolist() == [1, 1, 2]
+    assert two.reasons[2].startswith("s2: selector confidence 0.70 > gamma 0.60")  # a case of one image
+
+
+def test_style_routing_sends_a_volume_to_the_site_its_slices_are_most_alike_on_average():
+    bundle, dark = _gated_bundle()
+    predictor = SuperModelPredictor(_style_routed(bundle), device="cpu")
+    predictor.selector = SureSelector()
+    images = np.concatenate([dark[:1], dark[1:3] + 0.1])  # one slice like s1, two like s2
+    assert predictor.predict(images).nearest_site.tolist() == [1, 2, 2]
+    pred = predictor.predict(images, cases=np.zeros(3))
+    assert pred.nearest_site.tolist() == [2, 2, 2] and pred.routed.tolist() == [2, 2, 2]
+    assert pred.reasons[0].startswith("s2: s2's images are the most alike its volume (3 images; mean style distance ")
+
+
+def test_the_selector_report_routes_volumes_as_the_super_model_does():
+    from engine.selector_report import SiteImages, selector_report
+
+    bundle, dark = _gated_bundle()
+    predictor = SuperModelPredictor(bundle, device="cpu")
+    predictor.selector = ScriptedSelector()
+    images = np.concatenate([dark[:1], dark[:1], dark[:1] + 0.1])
+    masks = np.zeros((3, 2, 32, 32), dtype=np.uint8)
+    site = SiteImages("s1", images, masks, np.zeros(3, dtype=np.int64))
+    report = selector_report(predictor, [site], None, gamma=0.6, gammas=(0.6,))
+    assert report["routing_per_gamma"][0]["seen"] == {"global": 0.0, "own_site": 1.0, "other_site": 0.0}
+    assert report["ece"]["accuracy"] == pytest.approx(2 / 3)  # the selector itself is still judged per image
+    per_image = SiteImages("s1", images, masks, np.arange(3))
+    shares = selector_report(predictor, [per_image], None, gamma=0.6, gammas=(0.6,))["routing_per_gamma"][0]["seen"]
+    assert shares["own_site"] == pytest.approx(2 / 3) and shares["other_site"] == pytest.approx(1 / 3)
+
+
 def test_bad_gate_metadata_is_refused():
     bundle, _ = _gated_bundle()
     meta = dict(bundle.metadata.style_gate)

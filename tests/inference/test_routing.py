@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from engine.errors import ConfigError
-from engine.inference.routing import check_gamma, confidence, route_fedsm, route_fedsm_extra
+from engine.inference.routing import (
+    case_mean_probabilities,
+    check_gamma,
+    confidence,
+    route_fedsm,
+    route_fedsm_extra,
+)
 
 
 def test_fedsm_above_gamma_goes_to_the_personalized_model() -> None:
@@ -93,3 +99,18 @@ def test_routing_gamma_is_the_users_when_given_else_the_bundles():
     for bad in (1.5, -0.1, float("nan"), True, "0.5"):
         with pytest.raises(ConfigError, match="gamma must be"):
             routing_gamma(0.6, bad)
+
+
+def test_a_volume_is_decided_by_its_slices_mean_probabilities() -> None:
+    # slices of case 7 (rows 0, 2, 3) and a photo (case 2, row 1); case ids need not be contiguous or sorted
+    probs = np.array([[0.9, 0.1], [0.2, 0.8], [0.3, 0.7], [0.6, 0.4]], dtype=np.float32)
+    mean = case_mean_probabilities(probs, np.array([7, 2, 7, 7]))
+    np.testing.assert_allclose(mean, [[0.6, 0.4], [0.2, 0.8], [0.6, 0.4], [0.6, 0.4]], rtol=1e-6)
+    assert mean.dtype == np.float32
+    # per slice the volume would be split between site 1's and site 2's models; whole, it goes to one
+    assert route_fedsm(probs, 0.55).tolist() == [1, 2, 2, 1]
+    assert route_fedsm(mean, 0.55).tolist() == [1, 2, 1, 1]
+    assert route_fedsm(mean, 0.6).tolist() == [0, 2, 0, 0]
+    assert case_mean_probabilities(np.zeros((0, 2), dtype=np.float32), np.zeros(0)).shape == (0, 2)
+    with pytest.raises(ConfigError, match="case ids of shape"):
+        case_mean_probabilities(probs, np.zeros(3))
