@@ -17,6 +17,8 @@ so only routing differs)::
 
     PYTHONPATH=OLD_CHECKOUT python benchmarks/volume_routing.py runs/pr1_apfl runs/pr2_apfl ...
     python benchmarks/volume_routing.py runs/pr1_apfl runs/pr2_apfl ...
+
+``--no-guard`` turns the routing guard off, so the choice inside the gate is seen on every site.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from engine.inference.predictor import SuperModelPredictor
 from engine.tasks import get_task
 
 
-def evaluate_run(run: Path) -> dict[str, object]:
-    """Routing and Dice of one run's super model on its sites' test splits."""
+def evaluate_run(run: Path, guard: bool = True) -> dict[str, object]:
+    """Routing and Dice of one run's super model on its sites' test splits (``guard``: the routing guard on)."""
     federation = json.loads((run / "data" / "federation.json").read_text())
     task = get_task(federation["task"])
     bundle = load_bundle(run / "supermodel.safetensors")
@@ -47,7 +49,7 @@ def evaluate_run(run: Path) -> dict[str, object]:
     for k, datalist in enumerate(federation["datalists"]):
         site = load_site(run / "data" / datalist, task, size)
         test = site.test
-        pred = predictor.predict(test.images, cases=test.case_ids)
+        pred = predictor.predict(test.images, cases=test.case_ids, routing_guard=guard)
         routed = np.asarray(pred.routed)
         cases = np.unique(test.case_ids)
         split += sum(len(np.unique(routed[test.case_ids == c])) > 1 for c in cases)
@@ -65,9 +67,12 @@ def evaluate_run(run: Path) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="finished `fedsm simulate` output folders")
+    parser.add_argument("--no-guard", action="store_true",
+                        help="routing guard off: every personalized model may be chosen, so the rule inside "
+                             "the gate shows (with the guard on, most prostate runs let one site through)")
     args = parser.parse_args()
     for run in args.runs:
-        result = evaluate_run(run)
+        result = evaluate_run(run, guard=not args.no_guard)
         print(json.dumps(result))
         routed = ", ".join(f"{n} own {s['own']:.2f} global {s['global']:.2f} other {s['other']:.2f}"
                            for n, s in result["per_site"].items())  # type: ignore[union-attr]

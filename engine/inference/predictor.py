@@ -287,7 +287,8 @@ class SuperModelPredictor:
         cases
             The case of each image (the slices of one volume share one; ``None``: each image a case of
             its own). A gate that judges cases (``style_gate["unit"] == "case"``) sends all of a case's
-            images to the global model, or none, by the mean distance of its images.
+            images to the global model, or none, by the mean distance of its images, and the rest of
+            the routing decides the case whole too (:meth:`decides_volumes`): one model per case.
 
         Returns
         -------
