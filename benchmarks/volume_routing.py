@@ -18,12 +18,14 @@ so only routing differs)::
     PYTHONPATH=OLD_CHECKOUT python benchmarks/volume_routing.py runs/pr1_apfl runs/pr2_apfl ...
     python benchmarks/volume_routing.py runs/pr1_apfl runs/pr2_apfl ...
 
-``--no-guard`` turns the routing guard off, so the choice inside the gate is seen on every site.
+``--no-guard`` turns the routing guard off, so the choice inside the gate is seen on every site;
+``--site-routing selector|style`` replaces the rule the bundle chose (``auto``) inside the gate.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -36,11 +38,16 @@ from engine.inference.predictor import SuperModelPredictor
 from engine.tasks import get_task
 
 
-def evaluate_run(run: Path, guard: bool = True) -> dict[str, object]:
-    """Routing and Dice of one run's super model on its sites' test splits (``guard``: the routing guard on)."""
+def evaluate_run(run: Path, guard: bool = True, site_routing: str | None = None) -> dict[str, object]:
+    """Routing and Dice of one run's super model on its sites' test splits.
+
+    ``guard``: the routing guard on; ``site_routing``: the rule inside the gate (``None``: the bundle's).
+    """
     federation = json.loads((run / "data" / "federation.json").read_text())
     task = get_task(federation["task"])
     bundle = load_bundle(run / "supermodel.safetensors")
+    if site_routing is not None:
+        bundle = dataclasses.replace(bundle, metadata=dataclasses.replace(bundle.metadata, site_routing=site_routing))
     predictor = SuperModelPredictor(bundle, device="cpu")
     names = list(bundle.metadata.site_names)
     size = bundle.metadata.image_size
@@ -70,9 +77,11 @@ def main() -> None:
     parser.add_argument("--no-guard", action="store_true",
                         help="routing guard off: every personalized model may be chosen, so the rule inside "
                              "the gate shows (with the guard on, most prostate runs let one site through)")
+    parser.add_argument("--site-routing", choices=("selector", "style"),
+                        help="the rule inside the gate instead of the bundle's (its `auto` choice)")
     args = parser.parse_args()
     for run in args.runs:
-        result = evaluate_run(run, guard=not args.no_guard)
+        result = evaluate_run(run, guard=not args.no_guard, site_routing=args.site_routing)
         print(json.dumps(result))
         routed = ", ".join(f"{n} own {s['own']:.2f} global {s['global']:.2f} other {s['other']:.2f}"
                            for n, s in result["per_site"].items())  # type: ignore[union-attr]
