@@ -2,8 +2,10 @@
 
 Every model of the super model segments every image once; routing for each gamma then only
 picks, per image, which of those masks to keep. So a sweep over ten gammas costs one pass of
-each model, and the result is exactly what :class:`~engine.inference.predictor.SuperModelPredictor`
-would produce at that gamma.
+each model. The sweep is the paper's Algorithm 2 alone, image by image: what
+:class:`~engine.inference.predictor.SuperModelPredictor` produces at that gamma with the style gate
+and the routing guard off and without cases (with a gate that judges cases, the predictor decides a
+volume whole, ``report.json``'s ``selector`` section measures that routing).
 """
 
 from __future__ import annotations
