@@ -57,6 +57,7 @@ import numpy as np
 
 from engine.data.site_data import load_site
 from engine.data.synth import existing_federation, generate_federation
+from engine.fl.cases import case_mean_rows
 from engine.fl.style_gate import (
     DEFAULT_QUANTILE,
     SITE_MARGIN,
@@ -65,7 +66,6 @@ from engine.fl.style_gate import (
     fit_style_gate,
     histogram_quantile,
     leave_one_case_out_distances,
-    per_image_case_distances,
     site_threshold,
     style_descriptors,
     style_distances,
@@ -153,11 +153,11 @@ def study(task_name: str, datalists: list[Path], size: int, holdout: int) -> dic
                                                            s.validation.images, s.validation.case_ids))
                   for k, s in enumerate(part)]
     thr = threshold_from_histograms(case_hists, DEFAULT_QUANTILE)
-    own = np.concatenate([(k == j) & (per_image_case_distances(d, s.test.case_ids) <= thr)
+    own = np.concatenate([(k == j) & (case_mean_rows(d, s.test.case_ids) <= thr)
                           for j, ((d, k), s) in enumerate(zip(test, part, strict=True))])
     unseen_cases = np.concatenate([x.case_ids + 100_000 * i for i, x in enumerate((u.train, u.validation, u.test))
                                    if len(x.images)])
-    out["loo/case"] = (float(own.mean()), float((per_image_case_distances(ud, unseen_cases) > thr).mean()))
+    out["loo/case"] = (float(own.mean()), float((case_mean_rows(ud, unseen_cases) > thr).mean()))
     return out
 
 

@@ -14,7 +14,10 @@ and the routing guard keeps a personalized model only where it beat the global o
 - each site sends the selector's own-site confidence histogram (the statistics ``--gamma auto``
   uses, :func:`engine.fl.selector_gamma.histogram_statistics`) and, in part :data:`ROUTING_PART`,
   how many of its validation images the gate's nearest-site rule names correctly and how many it
-  scored: two whole numbers, no per-image value;
+  scored: two whole numbers, no per-image value. Both count images as the super model routes them:
+  where the gate judges cases (every gate since 891cb49) an image counts with its volume's decision
+  (the volume's mean selector probabilities, its nearest site by mean distance), since the predictor
+  routes a volume whole (:mod:`engine.fl.cases`);
 - the server computes each rule's share of validation images routed to their own site's model
   (the selector: top probability above the routing gamma, to the histogram's 0.01 resolution,
   rounding against the selector) and keeps the selector unless the style rule's share is higher

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError, WeightsError
+from engine.fl.cases import case_mean_rows
 from engine.fl.weights import Weights, all_finite
 
 #: Equal-width bins on [0, 1] of a site's own-site probability histogram (resolution 0.01).
@@ -83,10 +84,20 @@ def own_site_histogram(probs: np.ndarray, labels: np.ndarray, bins: int = GAMMA_
 
 
 def histogram_statistics(logits: torch.Tensor, labels: np.ndarray, temperatures: Sequence[float] = (1.0,),
-                         bins: int = GAMMA_BINS) -> Weights:
-    """A site's statistics, one row per temperature: ``counts (T, bins)`` and ``missed (T, 1)``, float64."""
+                         bins: int = GAMMA_BINS, cases: np.ndarray | None = None) -> Weights:
+    """A site's statistics, one row per temperature: ``counts (T, bins)`` and ``missed (T, 1)``, float64.
+
+    ``cases``: each image's case, where the super model routes a volume whole (a gate that judges
+    cases): every image then counts with its volume's mean probabilities, as the predictor routes it
+    (:func:`engine.fl.cases.case_mean_rows`); ``None``: each image with its own.
+    """
     z = logits.to(torch.float64)
-    rows = [own_site_histogram(torch.softmax(z / t, dim=1).numpy(), labels, bins) for t in temperatures]
+
+    def probabilities(t: float) -> np.ndarray:
+        p = torch.softmax(z / t, dim=1).numpy()
+        return case_mean_rows(p, cases) if cases is not None and len(p) else p
+
+    rows = [own_site_histogram(probabilities(t), labels, bins) for t in temperatures]
     return {HISTOGRAM_KEY: torch.from_numpy(np.stack([r[0] for r in rows])),
             MISSED_KEY: torch.tensor([[float(r[1])] for r in rows], dtype=torch.float64)}
 

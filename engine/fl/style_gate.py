@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError
+from engine.fl.cases import case_index, case_mean_rows, case_sums
 from engine.fl.routing_choice import AUTO, chosen_rule
 from engine.models.style_gate_format import (
     DESCRIPTOR,
@@ -302,15 +303,26 @@ def case_mean_distances(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
     d, c = np.asarray(distances, dtype=np.float64), np.asarray(cases)
     if len(d) != len(c):
         raise ConfigError(f"{len(d)} distances but {len(c)} case ids")
-    ids, index = np.unique(c, return_inverse=True)
-    return np.bincount(index, weights=d, minlength=len(ids)) / np.bincount(index, minlength=len(ids))
+    _, counts = case_index(c)
+    return case_sums(d, c) / counts
 
 
-def per_image_case_distances(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
-    """Each image's case's mean distance: every slice of a volume gets the volume's value."""
-    c = np.asarray(cases)
-    _, index = np.unique(c, return_inverse=True)
-    return case_mean_distances(distances, c)[index] if len(c) else np.zeros(0)
+def nearest_sites(matrix: np.ndarray, sites: np.ndarray,
+                  cases: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Each image's distance to its nearest site and the site's routing index (0-based; -1 without sites).
+
+    ``matrix``: :func:`style_distance_matrix`'s ``(N, K')`` distances and ``sites`` its column sites.
+    With ``cases``, every image of a case gets the case's nearest site, the one with the smallest
+    mean distance over the case's images (a volume is routed whole); the distances stay each image's own.
+    """
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.shape[1] == 0:
+        return np.full(len(m), np.inf), np.full(len(m), -1, dtype=np.int64)
+    distance, column = m.min(1), m.argmin(1)
+    if cases is not None and len(m):
+        index, _ = case_index(cases)
+        column = case_sums(m, cases).argmin(1)[index]
+    return distance, np.asarray(sites, dtype=np.int64)[column]
 
 
 def calibration_distances(gate: Mapping[str, object], site: int, train_images: np.ndarray,
@@ -354,11 +366,7 @@ def style_distances(descriptors: np.ndarray, gate: Mapping[str, object]) -> tupl
 
     ``gate`` holds ``means``, ``precision`` and ``sites`` as tensors or nested lists.
     """
-    dist, sites = style_distance_matrix(descriptors, gate)
-    if dist.shape[1] == 0:
-        return np.full(len(dist), np.inf), np.full(len(dist), -1, dtype=np.int64)
-    nearest = dist.argmin(1)
-    return dist[np.arange(len(dist)), nearest], sites[nearest]
+    return nearest_sites(*style_distance_matrix(descriptors, gate))
 
 
 def style_distance_matrix(descriptors: np.ndarray, gate: Mapping[str, object]) -> tuple[np.ndarray, np.ndarray]:
@@ -526,16 +534,10 @@ def gate_nearest(images: np.ndarray, meta: Mapping[str, object], site_names: Seq
     gate = {"means": meta["means"], "precision": meta["precision"],
             "sites": [list(site_names).index(s) for s in meta["sites"]]}  # type: ignore[union-attr]
     matrix, sites = style_distance_matrix(style_descriptors(images, str(meta["descriptor"])), gate)
-    if matrix.shape[1] == 0:
-        distance, nearest = np.full(len(matrix), np.inf), np.full(len(matrix), -1, dtype=np.int64)
-    else:
-        distance, nearest = matrix.min(1), sites[matrix.argmin(1)]
-    if judges_cases(meta, cases) and matrix.shape[1]:
-        _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
-        case_matrix = np.zeros((len(counts), matrix.shape[1]))
-        np.add.at(case_matrix, index, matrix)
-        nearest = sites[case_matrix.argmin(1)][index]
-        distance = per_image_case_distances(distance, cases)
+    by_case = judges_cases(meta, cases)
+    distance, nearest = nearest_sites(matrix, sites, cases if by_case else None)
+    if by_case and len(distance):
+        distance = case_mean_rows(distance, cases)
     threshold = meta["threshold"]
     outside = (distance > float(threshold) if threshold is not None  # type: ignore[arg-type]
                else np.zeros(len(distance), dtype=bool))

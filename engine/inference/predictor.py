@@ -19,6 +19,7 @@ from engine.bundle.supermodel import SuperModelBundle
 from engine.data.preprocess import resize_images
 from engine.device import resolve_device
 from engine.errors import BundleError, CancelledError, ConfigError, DataError
+from engine.fl.cases import case_sizes
 from engine.fl.style_gate import gate_nearest, judges_cases, route_by_style
 from engine.inference.guard import apply_guard, guard_decisions, routing_reasons
 from engine.inference.routing import (
@@ -132,14 +133,8 @@ def _gate_detail(style: tuple[np.ndarray, np.ndarray] | None, gate: Mapping[str,
     """
     if style is None or not gate or gate.get("threshold") is None:
         return None
-    sizes = _case_sizes(cases) if judges_cases(gate, cases) else np.ones(n, dtype=np.int64)
+    sizes = case_sizes(cases) if judges_cases(gate, cases) else np.ones(n, dtype=np.int64)
     return style[0], float(gate["threshold"]), sizes  # type: ignore[arg-type]
-
-
-def _case_sizes(cases: np.ndarray) -> np.ndarray:
-    """How many images each image's case holds."""
-    _, index, counts = np.unique(np.asarray(cases), return_inverse=True, return_counts=True)
-    return counts[index]
 
 
 def _batches(count: int, batch_size: int) -> Iterator[slice]:
@@ -374,7 +369,7 @@ class SuperModelPredictor:
                                       unlike_sites=unlike if (gate_on or by_style) else None,
                                       style=(style[0], meta.style_gate["threshold"]) if by_style else None,
                                       gate=_gate_detail(style, meta.style_gate, cases, n),
-                                      volume_sizes=_case_sizes(cases) if by_case else None)
+                                      volume_sizes=case_sizes(cases) if by_case else None)
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from engine.errors import ConfigError
+from engine.fl.cases import case_mean_rows
 
 
 def _check_probs(probs: np.ndarray, min_classes: int, what: str) -> np.ndarray:
@@ -77,12 +78,7 @@ def case_mean_probabilities(probs: np.ndarray, cases: np.ndarray) -> np.ndarray:
     c = np.asarray(cases)
     if c.shape != (p.shape[0],):
         raise ConfigError(f"{p.shape[0]} selector rows but case ids of shape {c.shape}")
-    if p.shape[0] == 0:
-        return p.copy()
-    _, index, counts = np.unique(c, return_inverse=True, return_counts=True)
-    sums = np.zeros((len(counts), p.shape[1]), dtype=np.float64)
-    np.add.at(sums, index, p)
-    return (sums / counts[:, None])[index].astype(p.dtype)
+    return case_mean_rows(p, c).astype(p.dtype)
 
 
 def route_fedsm(probs: np.ndarray, gamma: float) -> np.ndarray:

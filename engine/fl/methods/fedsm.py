@@ -81,8 +81,9 @@ from engine.fl.style_gate import (
     check_style_statistics,
     distance_histogram,
     fit_style_gate,
+    nearest_sites,
     style_descriptors,
-    style_distances,
+    style_distance_matrix,
     style_statistics,
     threshold_from_histograms,
 )
@@ -510,7 +511,11 @@ class FedSM(FederatedMethod):
         parts: WeightSet = {}
         val = site.validation
         # a site without validation images scores its training images instead
-        images = val.images if val is not None and len(val.images) else site.train.images
+        scored = val if val is not None and len(val.images) else site.train
+        images = scored.images
+        # with the gate (it judges cases) the super model routes a volume whole, so the routing rules are
+        # measured on volumes too: each image counts with its volume's decision
+        cases = scored.case_ids if GATE_PART in w else None
         if self.selector_calibration == "lda":
             parts = self._statistics_update(instructions, site, np.full(n, site.index)).weights
         elif self.selector_calibration == "temperature" or self.gamma_pass is not None or self.compares_routings:
@@ -519,7 +524,7 @@ class FedSM(FederatedMethod):
             if self.selector_calibration == "temperature":
                 parts[TEMPERATURE_PART] = temperature_statistics(logits, labels)
             if self.gamma_pass is not None or self.compares_routings:
-                parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures())
+                parts[GAMMA_PART] = histogram_statistics(logits, labels, self._gamma_temperatures(), cases=cases)
         if GATE_PART in w:
             # cases the gate has not seen: the validation cases, and each training case under the gate
             # refitted without it (engine.fl.style_gate.calibration_distances); only the histogram leaves the site
@@ -527,7 +532,7 @@ class FedSM(FederatedMethod):
                 w[GATE_PART], site.index, site.train.images, site.train.case_ids,
                 val.images if val is not None else None, val.case_ids if val is not None else None))
             if self.compares_routings:
-                _, nearest = style_distances(style_descriptors(images), w[GATE_PART])
+                _, nearest = nearest_sites(*style_distance_matrix(style_descriptors(images), w[GATE_PART]), cases)
                 parts[ROUTING_PART] = style_routing_statistics(nearest, site.index)
         return SiteUpdate(parts, n, metrics)
 
