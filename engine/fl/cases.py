@@ -29,15 +29,10 @@ def case_sizes(cases: np.ndarray) -> np.ndarray:
     return counts[index].astype(np.int64)
 
 
-def case_sums(values: np.ndarray, cases: np.ndarray) -> np.ndarray:
-    """Sum of each case's rows, one row per case in ``np.unique(cases)`` order (float64)."""
-    v = np.asarray(values, dtype=np.float64)
+def case_means(values: np.ndarray, cases: np.ndarray) -> np.ndarray:
+    """Mean of each case's rows, one row per case in ``np.unique(cases)`` order (float64)."""
     index, counts = case_index(cases)
-    if len(v) != len(index):
-        raise ConfigError(f"{len(v)} rows but {len(index)} case ids")
-    sums = np.zeros((len(counts), *v.shape[1:]), dtype=np.float64)
-    np.add.at(sums, index, v)
-    return sums
+    return _means(values, index, counts)
 
 
 def case_mean_rows(values: np.ndarray, cases: np.ndarray) -> np.ndarray:
@@ -51,5 +46,13 @@ def case_mean_rows(values: np.ndarray, cases: np.ndarray) -> np.ndarray:
         ``(N,)`` case id per image; ids need not be sorted or contiguous.
     """
     index, counts = case_index(cases)
-    sums = case_sums(values, cases)
-    return (sums / counts.reshape(-1, *([1] * (sums.ndim - 1))))[index]
+    return _means(values, index, counts)[index]
+
+
+def _means(values: np.ndarray, index: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    if len(v) != len(index):
+        raise ConfigError(f"{len(v)} rows but {len(index)} case ids")
+    sums = np.zeros((len(counts), *v.shape[1:]), dtype=np.float64)
+    np.add.at(sums, index, v)
+    return sums / counts.reshape(-1, *([1] * (v.ndim - 1)))

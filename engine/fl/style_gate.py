@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from engine.errors import ConfigError
-from engine.fl.cases import case_index, case_mean_rows, case_sums
+from engine.fl.cases import case_mean_rows, case_means
 from engine.fl.routing_choice import AUTO, chosen_rule
 from engine.models.style_gate_format import (
     DESCRIPTOR,
@@ -298,15 +298,6 @@ def leave_one_case_out_distances(descriptors: np.ndarray, cases: np.ndarray, gat
     return out
 
 
-def case_mean_distances(distances: np.ndarray, cases: np.ndarray) -> np.ndarray:
-    """Each case's mean distance, one value per case in ``np.unique(cases)`` order."""
-    d, c = np.asarray(distances, dtype=np.float64), np.asarray(cases)
-    if len(d) != len(c):
-        raise ConfigError(f"{len(d)} distances but {len(c)} case ids")
-    _, counts = case_index(c)
-    return case_sums(d, c) / counts
-
-
 def nearest_sites(matrix: np.ndarray, sites: np.ndarray,
                   cases: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Each image's distance to its nearest site and the site's routing index (0-based; -1 without sites).
@@ -320,8 +311,7 @@ def nearest_sites(matrix: np.ndarray, sites: np.ndarray,
         return np.full(len(m), np.inf), np.full(len(m), -1, dtype=np.int64)
     distance, column = m.min(1), m.argmin(1)
     if cases is not None and len(m):
-        index, _ = case_index(cases)
-        column = case_sums(m, cases).argmin(1)[index]
+        column = case_mean_rows(m, cases).argmin(1)
     return distance, np.asarray(sites, dtype=np.int64)[column]
 
 
@@ -353,11 +343,11 @@ def calibration_distances(gate: Mapping[str, object], site: int, train_images: n
         case of its own).
     """
     loo = leave_one_case_out_distances(style_descriptors(train_images), train_cases, gate, site)
-    parts = [case_mean_distances(loo, train_cases) if len(loo) else loo]
+    parts = [case_means(loo, train_cases) if len(loo) else loo]
     if validation_images is not None and len(validation_images):
         val = style_distances(style_descriptors(validation_images), gate)[0]
         cases = np.arange(len(val)) if validation_cases is None else np.asarray(validation_cases)
-        parts.insert(0, case_mean_distances(val, cases))
+        parts.insert(0, case_means(val, cases))
     return np.concatenate(parts)
 
 

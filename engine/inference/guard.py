@@ -107,7 +107,7 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
                     forced: bool = False, argmax: bool = False,
                     unlike_sites: np.ndarray | None = None,
                     style: tuple[np.ndarray, float | None] | None = None,
-                    gate: tuple[np.ndarray, float, np.ndarray] | None = None,
+                    gate: tuple[np.ndarray, float] | None = None,
                     volume_sizes: np.ndarray | None = None) -> list[str]:
     """One sentence per image saying why it went to the model that segmented it.
 
@@ -124,12 +124,11 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         its nearest site under the gate, and the gate's threshold (``None``: no limit).
     gate
         For the sentence of an image the gate sent to global: each image's distance as the gate
-        judged it, the threshold, and how many images its case holds (a gate that judges cases
-        decides a volume whole, so the sentence names the volume and its mean distance).
+        judged it (its volume's mean where volumes are decided whole) and the threshold.
     volume_sizes
-        How many images each image's volume holds, where the routing decided volumes whole
-        (``probs`` then hold each volume's mean selector probabilities; ``None``: images decided one
-        by one): the sentences then speak of the volume.
+        How many images each image's volume holds, where the routing decided volumes whole (the
+        gate, and ``probs`` then hold each volume's mean selector probabilities; ``None``: images
+        decided one by one): the sentences then speak of the volume and its means.
     """
     conf = np.asarray(probs).max(axis=1) if len(probs) else np.zeros(0)
     sizes = np.ones(len(conf), dtype=np.int64) if volume_sizes is None else np.asarray(volume_sizes)
@@ -147,7 +146,7 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
         elif argmax:
             out.append(f"{name}: most likely model for the selector (p {conf[i]:.2f})")
         elif unlike_sites is not None and unlike_sites[i]:
-            out.append(f"global (style gate): {_gate_sentence(gate, i, selector(i))}")
+            out.append(f"global (style gate): {_gate_sentence(gate, i, int(sizes[i]), selector(i))}")
         elif style is not None:
             limit = "no limit" if style[1] is None else f"threshold {style[1]:.1f}"
             whose = f"{model_names[int(c)]}'s images are the most alike"
@@ -174,15 +173,15 @@ def routing_reasons(chosen: np.ndarray, final: np.ndarray, probs: np.ndarray, ga
     return out
 
 
-def _gate_sentence(gate: tuple[np.ndarray, float, np.ndarray] | None, i: int, selector: str) -> str:
+def _gate_sentence(gate: tuple[np.ndarray, float] | None, i: int, size: int, selector: str) -> str:
     """Why the gate found image ``i`` unlike every site: the image's (or its volume's) distance and the bound.
 
-    ``selector``: what the sentence says of the selector's confidence.
+    ``size``: the images of its volume (1: judged alone); ``selector``: what the sentence says of the
+    selector's confidence.
     """
     if gate is None:
         return f"the image is unlike every participating site's images ({selector})"
-    distance, threshold, case_sizes = gate
-    size = int(case_sizes[i])
+    distance, threshold = gate
     if size > 1:
         return (f"its volume ({size} images, judged whole) is unlike every participating site's images "
                 f"(mean style distance {float(distance[i]):.1f} > threshold {threshold:.1f}; {selector})")

@@ -124,17 +124,15 @@ def _fit_weights(net: nn.Module, weights: Mapping[str, torch.Tensor], what: str,
         raise BundleError(f"{where}: the weights of the {what} cannot be loaded ({exc})") from exc
 
 
-def _gate_detail(style: tuple[np.ndarray, np.ndarray] | None, gate: Mapping[str, object] | None,
-                 cases: np.ndarray | None, n: int) -> tuple[np.ndarray, float, np.ndarray] | None:
-    """What a routing reason says of the gate: each image's judged distance, the threshold, its case's size.
+def _gate_detail(style: tuple[np.ndarray, np.ndarray] | None,
+                 gate: Mapping[str, object] | None) -> tuple[np.ndarray, float] | None:
+    """What a routing reason says of the gate: each image's judged distance and the threshold.
 
-    ``None`` when the bundle has no gate or the gate no threshold. A gate that judges images (an older
-    bundle), or images given without cases, counts every image as a case of one.
+    ``None`` when the bundle has no gate or the gate no threshold.
     """
     if style is None or not gate or gate.get("threshold") is None:
         return None
-    sizes = case_sizes(cases) if judges_cases(gate, cases) else np.ones(n, dtype=np.int64)
-    return style[0], float(gate["threshold"]), sizes  # type: ignore[arg-type]
+    return style[0], float(gate["threshold"])  # type: ignore[arg-type]
 
 
 def _batches(count: int, batch_size: int) -> Iterator[slice]:
@@ -347,6 +345,7 @@ class SuperModelPredictor:
             # segments every slice of a volume
             by_case = self.decides_volumes(cases)
             decided = case_mean_probabilities(probs, cases) if by_case else probs
+            sizes = case_sizes(cases) if by_case else np.ones(n, dtype=np.int64)
             decisions = None
             if self.selector is None:  # a single-model bundle
                 chosen = np.zeros(n, dtype=np.int64)
@@ -368,8 +367,7 @@ class SuperModelPredictor:
                                       forced=force_model is not None, argmax=meta.routing == "argmax",
                                       unlike_sites=unlike if (gate_on or by_style) else None,
                                       style=(style[0], meta.style_gate["threshold"]) if by_style else None,
-                                      gate=_gate_detail(style, meta.style_gate, cases, n),
-                                      volume_sizes=case_sizes(cases) if by_case else None)
+                                      gate=_gate_detail(style, meta.style_gate), volume_sizes=sizes)
 
             for model_index in np.unique(routed):
                 net = self.segmentation_net(int(model_index))

@@ -11,7 +11,7 @@ from testsupport import random_split
 
 from engine.errors import ConfigError
 from engine.federation.inprocess import run_rounds
-from engine.fl.cases import case_mean_rows, case_sizes, case_sums
+from engine.fl.cases import case_mean_rows, case_means, case_sizes
 from engine.fl.methods import FedSM, SiteRuntime
 from engine.fl.routing_choice import CHOICE_PART, choice_summary
 from engine.fl.selector_gamma import histogram_statistics
@@ -23,7 +23,7 @@ def test_each_row_gets_its_cases_mean_whatever_the_order_of_the_ids():
     values = np.array([[1.0, 0.0], [4.0, 2.0], [3.0, 2.0], [5.0, 4.0]])
     cases = np.array([9, 3, 9, 3])
     np.testing.assert_allclose(case_mean_rows(values, cases), [[2, 1], [4.5, 3], [2, 1], [4.5, 3]])
-    np.testing.assert_allclose(case_sums(values, cases), [[9, 6], [4, 2]])  # case 3 first: np.unique's order
+    np.testing.assert_allclose(case_means(values, cases), [[4.5, 3], [2, 1]])  # case 3 first: np.unique's order
     np.testing.assert_allclose(case_mean_rows(np.array([1.0, 2.0, 6.0]), np.array([0, 1, 1])), [1, 4, 4])
     assert case_sizes(cases).tolist() == [2, 2, 2, 2]
     assert case_sizes(np.array([5, 5, 5, 1])).tolist() == [3, 3, 3, 1]
