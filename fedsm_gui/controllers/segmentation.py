@@ -67,7 +67,7 @@ class SegmentationController:
         s = self.state
         self.view.set_metadata(str(s.bundle_path) if s.bundle_path else None, s.metadata,
                                s.message if s.status == NO_MODEL and s.message else NO_MODEL_MESSAGE)
-        self.view.set_gamma(s.gamma, s.uses_gamma)
+        self.view.set_gamma(s.gamma, s.gamma_not_used)
         if s.device is not None:
             self.view.set_device(f"{s.device.get('device', '?')} — {s.device.get('reason', '')}".rstrip(" —"))
         if s.chooses_site:

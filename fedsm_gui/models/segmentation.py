@@ -86,10 +86,23 @@ class SegmentationState:
 
     @property
     def uses_gamma(self) -> bool:
-        """Whether gamma changes routing (FedSM bundles that route by the selector; FedSM-extra routes by
-        argmax, a style-routed FedSM bundle by the site-style gate)."""
+        """Whether gamma changes routing (FedSM bundles that route by the selector)."""
+        return bool(self.metadata) and self.gamma_not_used is None
+
+    @property
+    def gamma_not_used(self) -> str | None:
+        """Why gamma does not change the loaded bundle's routing, in the words shown beside the disabled
+        slider; ``None`` where it does. A single-model bundle has one model, FedSM-extra routes by the
+        selector's argmax, and a style-routed FedSM bundle picks the site whose images are most alike."""
         meta = self.metadata or {}
-        return bool(meta) and meta.get("routing", "gamma") == "gamma" and meta.get("site_routing") != "style"
+        if not meta:
+            return "no super model"
+        routing = meta.get("routing", "gamma")
+        if routing == "none":
+            return "one model"
+        if routing != "gamma":
+            return "argmax routing"
+        return "style routing" if meta.get("site_routing") == "style" else None
 
     def set_gamma(self, gamma: float) -> None:
         """Routing threshold for the next run, 0..1."""

@@ -109,8 +109,8 @@ class SegmentationView:
         """The loaded bundle's metadata, or the empty state with ``message``."""
         raise NotImplementedError
 
-    def set_gamma(self, gamma: float | None, enabled: bool) -> None:
-        """Gamma slider value (``enabled`` is False for argmax-routed bundles)."""
+    def set_gamma(self, gamma: float | None, not_used: str | None) -> None:
+        """Gamma slider value; ``not_used``: why gamma does not change routing (slider off), else ``None``."""
         raise NotImplementedError
 
     def set_device(self, text: str) -> None:

@@ -232,13 +232,15 @@ class SegmentationPanel(QGroupBox):
             f"<br>labels: {', '.join(metadata.get('label_names', []))}"
             f"<table><tr><th align='left'>site</th><th>validation Dice</th></tr>{rows}</table>")
 
-    def set_gamma(self, gamma: float | None, enabled: bool) -> None:
+    def set_gamma(self, gamma: float | None, not_used: str | None) -> None:
+        enabled = not_used is None
         self._gamma_value = gamma if enabled else None
         self.gamma.blockSignals(True)
         self.gamma.setValue(round((gamma or 0.0) * 100))
         self.gamma.blockSignals(False)
         self.gamma.setEnabled(enabled)
-        self.gamma_label.setText("γ —" if gamma is None else (f"γ {gamma:.2f}" if enabled else "argmax routing"))
+        self.gamma_label.setText("γ —" if gamma is None else (f"γ {gamma:.2f}" if enabled else not_used))
+        self.gamma.setToolTip("" if enabled else f"Gamma does not change this super model's routing ({not_used}).")
 
     def set_device(self, text: str) -> None:
         self.device_label.setText(f"device: {text}")

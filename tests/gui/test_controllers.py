@@ -247,7 +247,7 @@ def test_segmentation_controller_runs_and_shows_routing(tmp_path, volume_study):
     t.view.set_device.assert_called_with("cpu — no CUDA GPU found")  # asked at start-up
     t.ctrl.load_bundle(tmp_path / "model.safetensors")
     api.preload_super_model.assert_called_once_with(tmp_path / "model.safetensors", "auto")
-    t.view.set_gamma.assert_called_with(0.6, True)
+    t.view.set_gamma.assert_called_with(0.6, None)  # gamma changes this bundle's routing
     t.ctrl.state.set_gamma(0.8)
     t.ctrl.run()
     kwargs = api.segment_study.call_args.kwargs

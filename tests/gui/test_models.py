@@ -196,7 +196,7 @@ def test_single_model_bundle_offers_only_the_global_model():
     state = SegmentationState()
     state.set_bundle("fedavg.safetensors", {"gamma": 0.0, "site_names": ["site1", "site2"], "routing": "none",
                                             "method": "fedavg"})
-    assert state.model_names == ["global"] and not state.uses_gamma
+    assert state.model_names == ["global"] and not state.uses_gamma and state.gamma_not_used == "one model"
     with pytest.raises(ValueError, match="unknown model"):
         state.set_forced_model("site1")
 
@@ -205,6 +205,9 @@ def test_style_routed_bundle_has_no_gamma_to_set():
     state = SegmentationState()
     meta = {"gamma": 0.6, "site_names": ["site1", "site2"], "routing": "gamma", "method": "fedsm"}
     state.set_bundle("fedsm.safetensors", {**meta, "site_routing": "selector"})
-    assert state.uses_gamma
+    assert state.uses_gamma and state.gamma_not_used is None
     state.set_bundle("fedsm.safetensors", {**meta, "site_routing": "style"})  # the style gate picks the site
     assert not state.uses_gamma and state.model_names == ["global", "site1", "site2"]
+    assert state.gamma_not_used == "style routing"  # what the panel shows beside the disabled slider, not "argmax"
+    state.set_bundle("extra.safetensors", {**meta, "routing": "argmax", "method": "fedsm-extra"})
+    assert state.gamma_not_used == "argmax routing"
