@@ -1,5 +1,6 @@
 """Write the README's screenshots of the desktop app to ``docs/img/`` (offscreen).
 
+- ``demo_first_screen.png``: the window as ``fedsm-gui --demo`` first shows it.
 - ``main_window.png``: the embedded demo (``fedsm-gui --demo``, the shipped demo bundle): a synthetic fundus photo with
   the super model's mask, the ground truth as outlines, the routing strip and the cup-to-disc ratio.
 - ``volume_view.png``: a synthetic prostate MR volume in three orthogonal views with the model's
@@ -39,15 +40,25 @@ def _wait(condition, timeout_s: float, what: str) -> None:
         raise RuntimeError(f"timed out waiting for {what}")
 
 
+def first_screen_shot(app, cache_dir: Path, out: Path) -> None:
+    """``demo_first_screen.png``: the window exactly as ``fedsm-gui --demo`` first shows it (no pointer)."""
+    _open_demo(app, cache_dir)
+    _grab(app, out / "demo_first_screen.png")
+
+
 def demo_shot(app, cache_dir: Path, out: Path) -> None:
+    _open_demo(app, cache_dir)
+    _hover_centre(app, "photo", app.overlays.layers["model"].labels.array == 2)  # the readout over the cup
+    _grab(app, out / "main_window.png")
+
+
+def _open_demo(app, cache_dir: Path) -> None:
     ready: list[bool] = []
     app.demo.start(cache_dir / "demo", on_ready=lambda: ready.append(True))
     _wait(lambda: bool(ready) or app.window.banner.isVisible(), 1800, "the demo")
     if not ready:
         raise RuntimeError(app.window.banner.label.text())
     app.window.tabs.setCurrentIndex(0)
-    _hover_centre(app, "photo", app.overlays.layers["model"].labels.array == 2)  # the readout over the cup
-    _grab(app, out / "main_window.png")
 
 
 def _hover_centre(app, view: str, mask: np.ndarray) -> None:
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "fedsm-screenshots")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img")
-    parser.add_argument("--only", choices=("demo", "volume", "federation", "help"), action="append",
+    parser.add_argument("--only", choices=("first", "demo", "volume", "federation", "help"), action="append",
                         help="write only these screenshots (repeatable)")
     args = parser.parse_args(argv)
     os.environ["QT_QPA_PLATFORM"] = "offscreen"
@@ -145,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     from fedsm_gui.app import FedSMApp
 
     qt_app = QApplication.instance() or QApplication([])
-    shots = {"demo": demo_shot, "volume": volume_shot, "federation": federation_shot, "help": help_shot}
+    shots = {"first": first_screen_shot, "demo": demo_shot, "volume": volume_shot, "federation": federation_shot,
+             "help": help_shot}
     for name, shot in shots.items():
         if args.only and name not in args.only:
             continue

@@ -54,6 +54,19 @@ def test_the_shipped_demo_is_a_small_float16_super_model_of_the_default_settings
     assert manifest["meets_target"], manifest["validation_dice_worst_site"]
 
 
+def test_the_shipped_demo_is_trained_as_the_product_trains_by_default():
+    """The first super model a user sees is FedSM as ``fedsm simulate`` trains it unless told otherwise."""
+    from engine.bundle import read_metadata
+    from engine.simulate import SimulationConfig
+
+    defaults = SimulationConfig()
+    assert (DemoSettings().personalization, DemoSettings().selector_width) == \
+        (defaults.personalization, defaults.selector_width)
+    folder = shipped_demo_dir()
+    meta = read_metadata(folder / _manifest(folder)["files"]["bundle"])
+    assert (meta.personalization, meta.selector_width) == (defaults.personalization, defaults.selector_width)
+
+
 def test_the_shipped_demo_photo_goes_to_its_own_sites_model():
     """Measured when the photo was chosen, and again now with the shipped file (the app's path)."""
     from engine.api import open_study, segment_study
