@@ -227,8 +227,7 @@ class SegmentationPanel(QGroupBox):
         self.metadata_label.setText(
             f"<b>{metadata.get('task', '?')}</b> · {metadata.get('method', '?')} · "
             f"{len(metadata.get('site_names', []))} sites · {metadata.get('rounds', '?')} rounds · "
-            f"{_personalization_text(metadata)} · γ {_fmt_number(metadata.get('gamma'))} · "
-            f"routing {metadata.get('routing', '?')}"
+            f"{_personalization_text(metadata)} · {_routing_text(metadata)}"
             f"<br>labels: {', '.join(metadata.get('label_names', []))}"
             f"<table><tr><th align='left'>site</th><th>validation Dice</th></tr>{rows}</table>")
 
@@ -253,7 +252,7 @@ class SegmentationPanel(QGroupBox):
             for name in names:
                 self.model_combo.addItem(f"client net of {name} (BlackFed)", name)
         else:
-            self.model_combo.addItem("routed by the selector", "")
+            self.model_combo.addItem("routed by the super model", "")
         for name in names if not choose_site else ():
             label = "global model" if name == "global" else f"personalized model of {name}"
             self.model_combo.addItem(f"force: {label}", name)
@@ -321,6 +320,17 @@ def _personalization_text(metadata: dict[str, Any]) -> str:
     if metadata.get("method") != "fedsm" or rule == "softpull":
         return f"λ {_fmt_number(metadata.get('lam'))}"
     return f"personalized by {RULE_TITLES.get(rule, rule)}"
+
+
+def _routing_text(metadata: dict[str, Any]) -> str:
+    """How the bundle picks a model: ``"γ 0.6 · routing gamma"`` where the selector and gamma decide, else
+    the rule that does (a style-routed bundle's gamma changes nothing, so it is not shown as if it did)."""
+    routing = metadata.get("routing", "?")
+    if routing == "gamma" and metadata.get("site_routing") == "style":
+        return "routing by site style (gate, then nearest site)"
+    if routing == "gamma":
+        return f"γ {_fmt_number(metadata.get('gamma'))} · routing gamma"
+    return "one model" if routing == "none" else f"routing {routing}"
 
 
 def _rule_words(metadata: dict[str, Any]) -> str:

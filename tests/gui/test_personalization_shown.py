@@ -38,3 +38,18 @@ def test_the_bundle_text_names_the_rule_or_softpulls_lambda(qtbot):
     assert "(personalized by APFL)" in panel.provenance_html()
     panel.set_metadata("softpull.safetensors", META)  # older bundles: SoftPull
     assert "λ 0.7" in panel.metadata_label.text() and "personalized by" not in panel.provenance_html()
+
+
+def test_the_bundle_text_names_the_routing_that_decides(qtbot):
+    """gamma is shown where it routes; a style-routed bundle names style routing instead of a gamma it ignores."""
+    panel = SegmentationPanel()
+    qtbot.addWidget(panel)
+    panel.set_metadata("fedsm.safetensors", {**META, "site_routing": "selector"})
+    assert "γ 0.6 · routing gamma" in panel.metadata_label.text()
+    panel.set_metadata("fedsm.safetensors", {**META, "site_routing": "style"})
+    text = panel.metadata_label.text()
+    assert "routing by site style" in text and "γ" not in text
+    panel.set_metadata("fedavg.safetensors", {**META, "method": "fedavg", "routing": "none"})
+    assert "one model" in panel.metadata_label.text()
+    panel.set_models(["global", "site1", "site2"], None)  # the selector alone does not decide (gate, guard, style)
+    assert panel.model_combo.itemText(0) == "routed by the super model"
