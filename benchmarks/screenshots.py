@@ -121,12 +121,14 @@ def federation_shot(app, cache_dir: Path, out: Path) -> None:
     app.federation.demo_workdir = cache_dir / "site"
     app.federation.demo_rounds = 3
     app.window.tabs.setCurrentIndex(1)
+    from engine.federation.demo_site import DEMO_SELECTOR_WARMUP
+
     app.federation.join()
     state = app.federation_state
-    _wait(lambda: (2 in state.metrics and state.batch >= 1) or state.status in ("finished", "failed"), 900,
-          "round 2 of the demo site")
-    _wait(lambda: (state.round >= 3 and state.batch >= 1) or state.status in ("finished", "failed"), 900,
-          "the demo site mid-run")
+    # past the selector-only warm-up rounds, so the plots and the ledger show all of FedSM's models
+    mid = DEMO_SELECTOR_WARMUP + 3
+    _wait(lambda: (mid - 1 in state.metrics and state.round >= mid and state.batch >= 1)
+          or state.status in ("finished", "failed"), 900, f"round {mid} of the demo site")
     _grab(app, out / "federation_panel.png")
     app.federation.leave()
     _wait(lambda: not app.process.running, 60, "the site process to stop")
