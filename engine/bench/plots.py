@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,37 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+class Figures:
+    """Where a report's plots are written and how its markdown links them.
+
+    :meth:`place` draws a plot once. A second report of the same results (``fedsm bench --docs``
+    writes the docs copy beside the run's own report) passes the first's ``Figures`` as
+    ``drawn_by`` and gets its files copied instead of drawn again (matplotlib's PNG rendering is
+    most of a report's time); a plot the first report had nothing for is left out of both.
+    """
+
+    def __init__(self, folder: Path, link_prefix: str, drawn_by: Figures | None = None) -> None:
+        self.folder = Path(folder)
+        self.link_prefix = link_prefix
+        self.drawn_by = drawn_by
+        #: File names placed so far (the plots that had something to show).
+        self.placed: set[str] = set()
+
+    def place(self, name: str, draw: Callable[[Path], Path | None]) -> str | None:
+        """The markdown link of plot ``name``, drawn by ``draw(path)`` (``None``: nothing to plot)."""
+        path = self.folder / name
+        if self.drawn_by is not None:
+            if name not in self.drawn_by.placed:
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp:
+                shutil.copyfile(self.drawn_by.folder / name, tmp)
+        elif draw(path) is None:
+            return None
+        self.placed.add(name)
+        return f"{self.link_prefix}/{name}"
 
 
 def _save(fig: Any, path: Path) -> Path:

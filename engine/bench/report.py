@@ -23,6 +23,7 @@ from engine.bench import plots, tables
 from engine.bench.cache import JobKey, ResultCache
 from engine.bench.fediod_bench import fediod_section
 from engine.bench.plan import ALL_TASKS, machine_label, plan_jobs
+from engine.bench.plots import Figures
 from engine.bench.presets import BenchPreset
 from engine.bench.split_table import split_section
 from engine.bench.tuning import TAKES_FEDAVG_RATE, chosen_lrs, tuning_table
@@ -135,7 +136,7 @@ def _diff(d: dict[str, Any]) -> str:
 
 
 def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, task_name: str,
-                  img: Callable[[str], tuple[Path, str]],
+                  figures: Figures,
                   docs: Mapping[JobKey, dict[str, Any]] | None = None) -> list[str]:
     tp = preset.task(task_name)
     task = get_task(task_name)
@@ -187,14 +188,15 @@ def _main_section(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, ta
         lines += _table(["method", "received", "sent"],
                         [[T.get(r["method"], r["method"]), _mib(r["received"][0]), _mib(r["sent"][0])]
                          for r in traffic])
-    path, rel = img(f"main-{task_name}.png")
-    if plots.plot_bars(rows, "mean", T, f"{task_name} ({tp.sites} sites, {tp.image_size} px, {tp.rounds} rounds)",
-                       "client-average test Dice", path, tables.PAPER_CLIENT_AVERAGE.get(task_name)):
+    rel = figures.place(f"main-{task_name}.png", lambda path: plots.plot_bars(
+        rows, "mean", T, f"{task_name} ({tp.sites} sites, {tp.image_size} px, {tp.rounds} rounds)",
+        "client-average test Dice", path, tables.PAPER_CLIENT_AVERAGE.get(task_name)))
+    if rel:
         lines += ["", f"![{task_name} main comparison]({rel})"]
     curves = tables.curve_series(results, task_name, preset.methods)
     losses = tables.loss_series(results, task_name, preset.methods)
-    path, rel = img(f"curves-{task_name}.png")
-    if plots.plot_curves(curves, losses, T, task_name, path):
+    rel = figures.place(f"curves-{task_name}.png", lambda path: plots.plot_curves(curves, losses, T, task_name, path))
+    if rel:
         lines += ["", "Training curves (the paper's Figure 2 analogue; mean over seeds):", "",
                   f"![{task_name} training curves]({rel})"]
     return lines
@@ -325,7 +327,7 @@ def _lam_used(row: dict[str, Any]) -> str:
 
 
 def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, task_name: str,
-                       img: Callable[[str], tuple[Path, str]],
+                       figures: Figures,
                        docs: Mapping[JobKey, dict[str, Any]] | None = None) -> list[str]:
     tp = preset.task(task_name)
     lines: list[str] = []
@@ -344,8 +346,8 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
                     [[f"{r['lam']:.2f}", _lam_used(r), _ms(r["routed"]), _ms(r["oracle"]),
                       _ms(r["global_only"]), ", ".join(map(str, r["seeds"])) or "not run"] for r in lam])
     lines += provenance_line([k for r in lam for k in r["keys"]], docs)
-    path, rel = img(f"lam-{task_name}.png")
-    if plots.plot_lam(lam, task_name, path):
+    rel = figures.place(f"lam-{task_name}.png", lambda path: plots.plot_lam(lam, task_name, path))
+    if rel:
         lines += ["", f"![{task_name} lam sweep]({rel})"]
     # gamma, participating sites (main runs) and unseen site
     sweeps = [r["gamma_sweep"] for k, r in results.items()
@@ -382,8 +384,9 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
         lines += ["Not run or not completed."]
     lines += provenance_line([k for k in results if k.task == task_name and (
         (k.analysis == "main" and k.method == "fedsm") or k.analysis == "unseen")], docs, "this section's tables")
-    path, rel = img(f"gamma-{task_name}.png")
-    if plots.plot_gamma(part, unseen.get("unseen_rows", []), unseen.get("site"), task_name, path):
+    rel = figures.place(f"gamma-{task_name}.png", lambda path: plots.plot_gamma(
+        part, unseen.get("unseen_rows", []), unseen.get("site"), task_name, path))
+    if rel:
         lines += ["", f"![{task_name} gamma]({rel})"]
     # personalization alternatives
     pers = tables.personalization_rows(results, task_name, preset.personalizations, preset.rule_seeds)
@@ -399,8 +402,9 @@ def _analysis_sections(results: dict[JobKey, dict[str, Any]], preset: BenchPrese
                       _ms(r["selector_accuracy"], 3), tables.fmt(r["wall_s"][0], digits=0),
                       ", ".join(map(str, r["seeds"])) or "not run"] for r in pers])
     lines += provenance_line([k for r in pers for k in r["keys"]], docs)
-    path, rel = img(f"personalization-{task_name}.png")
-    if plots.plot_bars(pers, "routed", T, f"{task_name}: personalization inside FedSM", "routed Dice", path):
+    rel = figures.place(f"personalization-{task_name}.png", lambda path: plots.plot_bars(
+        pers, "routed", T, f"{task_name}: personalization inside FedSM", "routed Dice", path))
+    if rel:
         lines += ["", f"![{task_name} personalization]({rel})"]
     return lines
 
@@ -524,7 +528,7 @@ def _jobs_line(docs: Mapping[JobKey, dict[str, Any]] | None, results: Mapping[Jo
 
 
 def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dict[str, Any],
-           img: Callable[[str], tuple[Path, str]], reading: str = DEFAULT_READING,
+           figures: Figures, reading: str = DEFAULT_READING,
            docs: Mapping[JobKey, dict[str, Any]] | None = None, recipe: str | None = None) -> str:
     """The whole markdown document.
 
@@ -584,12 +588,12 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
               "0.8710, FedProx 0.8434, Scaffold 0.8141, FedSM 0.8914, FedSM-extra 0.8905; prostate — Centralized "
               "0.8737, FedAvg 0.8684, FedSM 0.8763.", ""]
     for tp in preset.tasks:
-        lines += _main_section(results, preset, tp.task, img, docs)
+        lines += _main_section(results, preset, tp.task, figures, docs)
         lines.append("")
     lines += _rule_choice_lines(results, preset)
     lines += ["", "## Analyses"]
     for tp in preset.tasks:
-        lines += _analysis_sections(results, preset, tp.task, img, docs)
+        lines += _analysis_sections(results, preset, tp.task, figures, docs)
     for tp in preset.tasks:
         lines += split_section(results, preset, tp.task)
 
@@ -606,22 +610,25 @@ def render(results: dict[JobKey, dict[str, Any]], preset: BenchPreset, meta: dic
 
 def write_report(cache: ResultCache, preset: BenchPreset, meta: dict[str, Any], out_dir: Path, *,
                  img_prefix: str = "img", img_dir: Path | None = None,
-                 settings_for: Callable[[JobKey], dict[str, Any]], preserve_reading: bool = False) -> Path:
-    """Write ``out_dir/<preset.docs_file>`` (``results.md`` unless the preset names its own) and its PNG plots."""
+                 settings_for: Callable[[JobKey], dict[str, Any]], preserve_reading: bool = False,
+                 figures_of: Figures | None = None) -> tuple[Path, Figures]:
+    """Write ``out_dir/<preset.docs_file>`` (``results.md`` unless the preset names its own) and its PNG plots.
+
+    ``figures_of``: the :class:`~engine.bench.plots.Figures` of a report of the same results written
+    just before (the run's own report, when this one is the docs copy): its plots are copied, not
+    drawn again. Returns the markdown file and this report's figures.
+    """
     out_dir = Path(out_dir)
     img_dir = Path(img_dir) if img_dir is not None else out_dir / img_prefix
     img_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / preset.docs_file
     docs = collect_docs(cache, preset, settings_for)
     results = {k: doc["result"] for k, doc in docs.items()}
-
-    def img(name: str) -> tuple[Path, str]:
-        return img_dir / name, f"{img_prefix}/{name}"
-
+    figures = Figures(img_dir, img_prefix, drawn_by=figures_of)
     reading = _read_reading(target, preset.name) if preserve_reading else DEFAULT_READING
     recipe = _read_recipe(target) if preserve_reading else None
-    write_text_atomic(target, render(results, preset, meta, img, reading, docs, recipe))
-    return target
+    write_text_atomic(target, render(results, preset, meta, figures, reading, docs, recipe))
+    return target, figures
 
 
 __all__ = ["ALL_TASKS", "collect", "collect_docs", "provenance_line", "provenance_summary", "render",

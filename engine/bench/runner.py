@@ -155,11 +155,11 @@ def run_benchmark(preset_name: str, out_dir: Path, *, fresh: bool = False, devic
     meta = {"preset": preset.to_json(), "machine": machine, "command": command,
             "finished": datetime.now(UTC).isoformat(timespec="seconds"), "run": summary,
             "planned": [k.label for k in jobs]}
-    report_paths = write_report(cache, preset, meta, out_dir / "report", img_prefix="img",
-                                settings_for=settings_for)
-    if docs_dir is not None:
+    report_paths, figures = write_report(cache, preset, meta, out_dir / "report", img_prefix="img",
+                                         settings_for=settings_for)
+    if docs_dir is not None:  # the same results: the run's report's plots are copied, not drawn again
         write_report(cache, preset, meta, Path(docs_dir), img_prefix="img/results", img_dir=Path(docs_dir) / "img"
-                     / "results", settings_for=settings_for, preserve_reading=True)
+                     / "results", settings_for=settings_for, preserve_reading=True, figures_of=figures)
         summary["docs"] = str(Path(docs_dir) / preset.docs_file)
     summary["report"] = str(report_paths)
     write_text_atomic(out_dir / "summary.json", json.dumps(meta, indent=1) + "\n")
