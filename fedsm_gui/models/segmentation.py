@@ -12,6 +12,20 @@ from fedsm_gui.models.signal import Signal
 NO_MODEL, READY, RUNNING, DONE = "no-model", "ready", "running", "done"
 
 
+def routing_rule(metadata: dict[str, Any] | None) -> str | None:
+    """Which rule picks a bundle's model for an image: ``"gamma"`` (the selector above gamma),
+    ``"style"`` (the site whose images are most alike; gamma changes nothing), ``"argmax"``
+    (FedSM-extra) or ``"none"`` (a single-model bundle); ``None`` without a bundle."""
+    if not metadata:
+        return None
+    routing = metadata.get("routing", "gamma")
+    return "style" if routing == "gamma" and metadata.get("site_routing") == "style" else routing
+
+
+#: Words beside the disabled gamma slider, per rule that gamma does not change.
+_GAMMA_NOT_USED = {None: "no super model", "style": "style routing", "argmax": "argmax routing", "none": "one model"}
+
+
 @dataclass(frozen=True)
 class SliceRouting:
     """Which model segmented one image or slice, and how sure the selector was."""
@@ -87,22 +101,14 @@ class SegmentationState:
     @property
     def uses_gamma(self) -> bool:
         """Whether gamma changes routing (FedSM bundles that route by the selector)."""
-        return bool(self.metadata) and self.gamma_not_used is None
+        return self.gamma_not_used is None
 
     @property
     def gamma_not_used(self) -> str | None:
-        """Why gamma does not change the loaded bundle's routing, in the words shown beside the disabled
-        slider; ``None`` where it does. A single-model bundle has one model, FedSM-extra routes by the
-        selector's argmax, and a style-routed FedSM bundle picks the site whose images are most alike."""
-        meta = self.metadata or {}
-        if not meta:
-            return "no super model"
-        routing = meta.get("routing", "gamma")
-        if routing == "none":
-            return "one model"
-        if routing != "gamma":
-            return "argmax routing"
-        return "style routing" if meta.get("site_routing") == "style" else None
+        """Why gamma does not change the loaded bundle's routing (:func:`routing_rule`), in the words
+        shown beside the disabled slider; ``None`` where it does."""
+        rule = routing_rule(self.metadata)
+        return None if rule == "gamma" else _GAMMA_NOT_USED.get(rule, f"{rule} routing")
 
     def set_gamma(self, gamma: float) -> None:
         """Routing threshold for the next run, 0..1."""

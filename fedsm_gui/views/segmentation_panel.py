@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from fedsm_gui.models.segmentation import routing_rule
 from fedsm_gui.views.confidence_strip import ConfidenceStrip, model_colour
 
 #: Export formats the save dialog may offer (the engine picks the writer from the suffix).
@@ -325,12 +326,12 @@ def _personalization_text(metadata: dict[str, Any]) -> str:
 def _routing_text(metadata: dict[str, Any]) -> str:
     """How the bundle picks a model: ``"γ 0.6 · routing gamma"`` where the selector and gamma decide, else
     the rule that does (a style-routed bundle's gamma changes nothing, so it is not shown as if it did)."""
-    routing = metadata.get("routing", "?")
-    if routing == "gamma" and metadata.get("site_routing") == "style":
+    rule = routing_rule(metadata)
+    if rule == "style":
         return "routing by site style (gate, then nearest site)"
-    if routing == "gamma":
+    if rule == "gamma":
         return f"γ {_fmt_number(metadata.get('gamma'))} · routing gamma"
-    return "one model" if routing == "none" else f"routing {routing}"
+    return "one model" if rule == "none" else f"routing {rule}"
 
 
 def _rule_words(metadata: dict[str, Any]) -> str:
